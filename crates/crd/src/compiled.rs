@@ -1,0 +1,349 @@
+//! The compiled-rule wire format: what the controller streams and the sidecar enforces.
+//!
+//! A compiled policy is fully validated and normalised (header names lowercased, durations in
+//! milliseconds, defaults and the policy-level failure mode resolved into each rule), so the
+//! sidecar never re-interprets the user's YAML. The format is versioned by [`WIRE_VERSION`];
+//! additive changes keep the version, anything a v1 reader would misunderstand bumps it.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+pub use crate::policy::{
+    Accuracy, Algorithm, FailureMode, Method, MissingKey, Mode, ResponseHeaders, Scope,
+};
+
+/// Version of the wire format below.
+pub const WIRE_VERSION: u32 = 1;
+
+/// One policy, compiled.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct CompiledPolicy {
+    pub namespace: String,
+    pub name: String,
+    /// `metadata.generation` of the source object (0 for files without one).
+    #[serde(default)]
+    pub generation: i64,
+    pub selector: Selector,
+    pub rules: Vec<CompiledRule>,
+    #[serde(default)]
+    pub bypass: CompiledBypass,
+    #[serde(default)]
+    pub response_headers: ResponseHeaders,
+}
+
+impl CompiledPolicy {
+    /// `namespace/name`, the policy's identity in metrics, membership and Redis keys.
+    pub fn id(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+/// A pod label selector in a form that needs no Kubernetes types to evaluate.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Selector {
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub match_labels: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub match_expressions: Vec<SelectorRequirement>,
+}
+
+/// One `matchExpressions` entry.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct SelectorRequirement {
+    pub key: String,
+    pub operator: SelectorOperator,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub values: Vec<String>,
+}
+
+/// Label selector operators.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SelectorOperator {
+    In,
+    NotIn,
+    Exists,
+    DoesNotExist,
+}
+
+impl Selector {
+    /// Whether a pod with these labels is selected (Kubernetes semantics: all terms must hold).
+    pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+        self.match_labels
+            .iter()
+            .all(|(k, v)| labels.get(k) == Some(v))
+            && self.match_expressions.iter().all(|req| {
+                let value = labels.get(&req.key);
+                match req.operator {
+                    SelectorOperator::In => value.is_some_and(|v| req.values.contains(v)),
+                    SelectorOperator::NotIn => value.is_none_or(|v| !req.values.contains(v)),
+                    SelectorOperator::Exists => value.is_some(),
+                    SelectorOperator::DoesNotExist => value.is_none(),
+                }
+            })
+    }
+}
+
+/// One rule, compiled.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct CompiledRule {
+    /// `namespace/policy/rule`: stable identity of the rule's counters.
+    pub id: String,
+    pub name: String,
+    #[serde(default)]
+    pub matches: CompiledMatch,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub key: Vec<KeySource>,
+    #[serde(default)]
+    pub on_missing_key: MissingKey,
+    pub limit: CompiledLimit,
+    pub cost: CompiledCost,
+    pub scope: Scope,
+    pub accuracy: Accuracy,
+    pub mode: Mode,
+    /// Resolved from the rule's override or the policy default.
+    pub failure_mode: FailureMode,
+}
+
+/// Request conditions; empty lists and `None` match everything.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct CompiledMatch {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub methods: Vec<Method>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathCondition>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub headers: Vec<HeaderCondition>,
+}
+
+/// A path condition. Regexes are validated and match the whole path.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum PathCondition {
+    Exact(String),
+    /// Segment-aware prefix; stored without a trailing slash (except for `/` itself).
+    Prefix(String),
+    Regex(String),
+}
+
+/// A header condition; `name` is lowercase.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct HeaderCondition {
+    pub name: String,
+    pub value: HeaderValueMatch,
+}
+
+/// How a header value is matched.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum HeaderValueMatch {
+    Present,
+    Exact(String),
+    Regex(String),
+}
+
+/// Where one part of the counter key comes from. Header names are lowercase.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum KeySource {
+    Header(String),
+    #[serde(rename_all = "camelCase")]
+    ClientIp {
+        trusted_hops: u32,
+    },
+    QueryParam(String),
+    #[serde(rename_all = "camelCase")]
+    JwtClaim {
+        header: String,
+        /// The claim path split at dots.
+        claim: Vec<String>,
+    },
+    Constant(String),
+    Endpoint,
+}
+
+/// The limit with durations in milliseconds and defaults applied.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct CompiledLimit {
+    pub algorithm: Algorithm,
+    pub requests: u64,
+    /// 0 for Concurrency, which has no period.
+    pub period_ms: u64,
+    /// Token bucket capacity; equals `requests` for the other algorithms.
+    pub burst: u64,
+    /// LeakyBucket: the longest a request may be delayed; 0 elsewhere.
+    #[serde(default)]
+    pub max_delay_ms: u64,
+}
+
+/// Tokens spent per request.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct CompiledCost {
+    pub amount: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
+    pub max: u32,
+}
+
+impl Default for CompiledCost {
+    fn default() -> Self {
+        CompiledCost {
+            amount: 1,
+            header: None,
+            max: DEFAULT_MAX_COST,
+        }
+    }
+}
+
+/// Cap on header-supplied costs when the policy does not set `cost.max`.
+pub const DEFAULT_MAX_COST: u32 = 100;
+
+/// Exemptions, parsed.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct CompiledBypass {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keys: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cidrs: Vec<ipnet::IpNet>,
+    #[serde(default)]
+    pub trusted_hops: u32,
+}
+
+/// Builds the regex a compiled `Regex` condition means: anchored at both ends, with a size limit
+/// so a policy cannot make the sidecar build an enormous automaton.
+pub fn full_match_regex(src: &str) -> Result<regex::Regex, regex::Error> {
+    regex::RegexBuilder::new(&format!("^(?:{src})$"))
+        .size_limit(1 << 20)
+        .dfa_size_limit(1 << 20)
+        .build()
+}
+
+impl CompiledRule {
+    /// What the rule does, in plain words (used by `tollgate-sidecar check` and dry runs).
+    pub fn describe(&self) -> String {
+        let what = self.matches.describe();
+        let per = if self.key.is_empty() {
+            "one counter shared by all matching requests".to_string()
+        } else {
+            let parts: Vec<String> = self.key.iter().map(KeySource::describe).collect();
+            format!("per {}", parts.join(" + "))
+        };
+        let l = &self.limit;
+        let limit = match l.algorithm {
+            Algorithm::Concurrency => format!("at most {} requests in flight", l.requests),
+            Algorithm::TokenBucket => format!(
+                "{} requests per {} (token bucket, bursts up to {})",
+                l.requests,
+                crate::duration::format(std::time::Duration::from_millis(l.period_ms)),
+                l.burst
+            ),
+            Algorithm::LeakyBucket => format!(
+                "{} requests per {} (leaky bucket: delays requests up to {} to smooth the rate, rejects beyond)",
+                l.requests,
+                crate::duration::format(std::time::Duration::from_millis(l.period_ms)),
+                crate::duration::format(std::time::Duration::from_millis(l.max_delay_ms))
+            ),
+            other => format!(
+                "{} requests per {} ({})",
+                l.requests,
+                crate::duration::format(std::time::Duration::from_millis(l.period_ms)),
+                match other {
+                    Algorithm::SlidingWindow => "sliding window counter",
+                    Algorithm::FixedWindow => "fixed window: up to 2x at window boundaries",
+                    _ => "sliding log, exact",
+                }
+            ),
+        };
+        let cost = match &self.cost.header {
+            Some(h) => format!(
+                "; each request costs header {h} (default {}, at most {})",
+                self.cost.amount, self.cost.max
+            ),
+            None if self.cost.amount != 1 => {
+                format!("; each request costs {} tokens", self.cost.amount)
+            }
+            None => String::new(),
+        };
+        let scope = match (self.scope, self.accuracy) {
+            (Scope::Local, _) => "each sidecar on its own",
+            (Scope::Global, Accuracy::Leased) => "shared by all sidecars (leased from Redis)",
+            (Scope::Global, Accuracy::Strict) => {
+                "shared by all sidecars (one Redis call per request)"
+            }
+        };
+        let mode = match self.mode {
+            Mode::Enforce => "rejects excess with 429",
+            Mode::Shadow => "shadow: only reports what it would reject",
+        };
+        let failure = match (self.scope, self.failure_mode) {
+            (Scope::Local, _) => "",
+            (Scope::Global, FailureMode::Open) => {
+                "; if Redis is unreachable: keeps serving at this sidecar's share"
+            }
+            (Scope::Global, FailureMode::Closed) => "; if Redis is unreachable: rejects",
+        };
+        let missing = match (self.key.is_empty(), self.on_missing_key) {
+            (true, _) => "",
+            (false, MissingKey::OwnBucket) => "; requests missing a key part share one bucket",
+            (false, MissingKey::Skip) => "; requests missing a key part are not limited",
+        };
+        format!(
+            "{}: {what}: {limit}, {per}{cost}; {scope}; {mode}{failure}{missing}",
+            self.name
+        )
+    }
+}
+
+impl CompiledMatch {
+    fn describe(&self) -> String {
+        let mut out = if self.methods.is_empty() {
+            "all requests".to_string()
+        } else {
+            let m: Vec<&str> = self.methods.iter().map(|m| m.as_str()).collect();
+            format!("{} requests", m.join("/"))
+        };
+        match &self.path {
+            Some(PathCondition::Exact(p)) => out.push_str(&format!(" to exactly {p}")),
+            Some(PathCondition::Prefix(p)) => out.push_str(&format!(" under {p}")),
+            Some(PathCondition::Regex(r)) => out.push_str(&format!(" with path matching /{r}/")),
+            None => {}
+        }
+        for h in &self.headers {
+            match &h.value {
+                HeaderValueMatch::Present => out.push_str(&format!(" with header {}", h.name)),
+                HeaderValueMatch::Exact(v) => out.push_str(&format!(" with {}: {v}", h.name)),
+                HeaderValueMatch::Regex(r) => {
+                    out.push_str(&format!(" with {} matching /{r}/", h.name))
+                }
+            }
+        }
+        out
+    }
+}
+
+impl KeySource {
+    fn describe(&self) -> String {
+        match self {
+            KeySource::Header(h) => format!("header {h}"),
+            KeySource::ClientIp { trusted_hops: 0 } => "client IP (TCP peer)".to_string(),
+            KeySource::ClientIp { trusted_hops } => {
+                format!("client IP (X-Forwarded-For entry {trusted_hops} from the right)")
+            }
+            KeySource::QueryParam(q) => format!("query parameter {q}"),
+            KeySource::JwtClaim { header, claim } => {
+                format!("JWT claim {} from {header} (not verified)", claim.join("."))
+            }
+            KeySource::Constant(c) => format!("constant {c:?}"),
+            KeySource::Endpoint => "method and path".to_string(),
+        }
+    }
+}

@@ -1,0 +1,525 @@
+//! The `RateLimitPolicy` custom resource (`tollgate.dev/v1alpha1`).
+//!
+//! Doc comments on these types become the schema descriptions that `kubectl explain rlp.spec...`
+//! prints, so they are written for the person applying a policy. Rules that the schema can check
+//! on its own (bounds, enums, one-of, cross-field) are CEL rules here, so the API server rejects a
+//! bad policy before any tollgate component sees it; what CEL cannot express (regex syntax, CIDR
+//! parsing on old servers) is checked by [`crate::compile`], which the admission webhook, the
+//! controller and the sidecar's standalone mode all call.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Longest duration accepted for `period` and `maxDelay`. A rate limit over a longer span is a
+/// quota (monthly caps, billing), which needs durable counters rather than ephemeral buckets.
+pub const MAX_PERIOD_SECS: u64 = 24 * 60 * 60;
+/// Most rules one policy may hold; keeps per-request matching cost and status size bounded.
+pub const MAX_RULES: usize = 64;
+/// Most key parts one rule may join into its counter key.
+pub const MAX_KEY_PARTS: usize = 8;
+/// Highest `trustedHops`: more proxies than this in front of a pod is almost certainly a mistake.
+pub const MAX_TRUSTED_HOPS: u32 = 16;
+/// Sliding-log rules keep one timestamp per admitted request, so their limit is capped.
+pub const MAX_SLIDING_LOG_REQUESTS: u64 = 10_000;
+
+/// The pattern for durations: Go-style units without fractions, e.g. `500ms`, `1s`, `1m`, `1h30m`.
+/// It is the subset both CEL's `duration()` and [`crate::duration::parse`] accept identically.
+pub const DURATION_PATTERN: &str = "^([0-9]{1,9}(ms|s|m|h))+$";
+
+/// A RateLimitPolicy attaches rate-limit rules to the tollgate sidecars of the pods it selects.
+/// Each rule matches requests, derives a client key from them and admits at most `limit` requests
+/// per key; excess requests get `429 Too Many Requests` with `Retry-After` and RateLimit headers.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "tollgate.dev",
+    version = "v1alpha1",
+    kind = "RateLimitPolicy",
+    plural = "ratelimitpolicies",
+    shortname = "rlp",
+    category = "tollgate",
+    namespaced,
+    doc = "A RateLimitPolicy attaches rate-limit rules to the tollgate sidecars of the pods it selects.",
+    status = "RateLimitPolicyStatus",
+    printcolumn = r#"{"name":"Rules","type":"integer","description":"Number of rules in the policy","jsonPath":".status.ruleCount"}"#,
+    printcolumn = r#"{"name":"Accepted","type":"string","description":"Whether the policy compiled","jsonPath":".status.conditions[?(@.type==\"Accepted\")].status"}"#,
+    printcolumn = r#"{"name":"Programmed","type":"string","description":"Whether every selected sidecar enforces the current version","jsonPath":".status.conditions[?(@.type==\"Programmed\")].status"}"#,
+    printcolumn = r#"{"name":"Sidecars","type":"integer","description":"Sidecars enforcing the current version","jsonPath":".status.sidecarsInSync"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct RateLimitPolicySpec {
+    /// Which pods' sidecars enforce this policy. Only pods in the policy's namespace are selected.
+    pub target_ref: TargetRef,
+
+    /// What every rule does while the shared counter store (Redis) is unreachable, unless the rule
+    /// overrides it. `Open` keeps serving at the sidecar's local fallback share of the limit (never
+    /// unlimited); `Closed` rejects. Choose `Closed` for abuse protection such as login attempts,
+    /// `Open` for paid APIs where refusing customers is the worse outcome.
+    #[serde(default)]
+    pub failure_mode: FailureMode,
+
+    /// The rules. A request must be admitted by every rule that matches it; the response reports
+    /// the most restrictive one. Rule names are unique within the policy.
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
+    #[schemars(length(min = 1, max = 64))]
+    pub rules: Vec<PolicyRule>,
+
+    /// Requests that no rule of this policy limits: internal batch jobs, health checkers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bypass: Option<Bypass>,
+
+    /// Where the RateLimit headers appear. `All` (default) adds them to admitted responses too,
+    /// so well-behaved clients can pace themselves; `Rejected` only on 429s.
+    #[serde(default)]
+    pub response_headers: ResponseHeaders,
+}
+
+/// Selects the pods whose tollgate sidecars enforce the policy.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct TargetRef {
+    /// A label selector over pods in the policy's namespace. An empty selector selects every
+    /// pod with a tollgate sidecar in the namespace.
+    pub selector: LabelSelector,
+}
+
+/// One rate limit: which requests, counted per which key, at what rate.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("!has(self.limit.algorithm) || self.limit.algorithm != 'Concurrency' || self.scope == 'Local'").message("spec.rules[].scope must be Local for a Concurrency limit: in-flight counts are per sidecar").field_path(".scope"),
+    validation = Rule::new("self.accuracy != 'Strict' || self.scope == 'Global'").message("spec.rules[].accuracy: Strict needs scope Global (it is one atomic Redis call per request)").field_path(".accuracy"),
+)]
+pub struct PolicyRule {
+    /// Name of the rule, unique in the policy. It appears in response headers, metrics and logs,
+    /// so it is restricted to lowercase letters, digits and '-'.
+    #[schemars(
+        length(min = 1, max = 63),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    )]
+    pub name: String,
+
+    /// Which requests the rule applies to. All given conditions must hold; omitted means every
+    /// request.
+    #[serde(default, rename = "match", skip_serializing_if = "Option::is_none")]
+    pub matches: Option<Match>,
+
+    /// Parts joined into the counter key, in order: one bucket per distinct combination. Omitted
+    /// means one counter shared by every matching request.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8))]
+    #[x_kube(merge_strategy = ListMerge::Atomic)]
+    pub key: Vec<KeyPart>,
+
+    /// What to do when a key part is absent from the request (no such header, no JWT, ...).
+    /// `OwnBucket` (default) counts all such requests together under an empty value, so missing
+    /// the header is not a way around the limit; `Skip` exempts the request from this rule.
+    #[serde(default)]
+    pub on_missing_key: MissingKey,
+
+    /// How many requests per period each key may make.
+    pub limit: Limit,
+
+    /// How many tokens one request spends. Defaults to 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<Cost>,
+
+    /// `Global` (default) shares the limit across every sidecar enforcing the policy through
+    /// token batches leased from Redis; `Local` limits each sidecar (pod) on its own.
+    #[serde(default)]
+    pub scope: Scope,
+
+    /// `Leased` (default) spends locally held token batches, accurate within the outstanding
+    /// leases; `Strict` makes one atomic Redis call per request, for exact quotas such as billing.
+    #[serde(default)]
+    pub accuracy: Accuracy,
+
+    /// `Enforce` (default) rejects excess requests; `Shadow` only counts and reports what it would
+    /// have rejected. Roll new rules out in Shadow first.
+    #[serde(default)]
+    pub mode: Mode,
+
+    /// Overrides the policy's `failureMode` for this rule.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_mode: Option<FailureMode>,
+}
+
+/// Conditions on a request. All given conditions must hold.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Match {
+    /// HTTP methods the rule applies to; omitted means any method.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 9))]
+    #[x_kube(merge_strategy = ListMerge::Set)]
+    pub methods: Vec<Method>,
+
+    /// Request path condition (without the query string).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathMatch>,
+
+    /// Request header conditions; all must hold.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    #[x_kube(merge_strategy = ListMerge::Atomic)]
+    pub headers: Vec<HeaderMatch>,
+}
+
+/// HTTP request method.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Method {
+    GET,
+    HEAD,
+    POST,
+    PUT,
+    PATCH,
+    DELETE,
+    OPTIONS,
+    CONNECT,
+    TRACE,
+}
+
+impl Method {
+    /// The method's wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Method::GET => "GET",
+            Method::HEAD => "HEAD",
+            Method::POST => "POST",
+            Method::PUT => "PUT",
+            Method::PATCH => "PATCH",
+            Method::DELETE => "DELETE",
+            Method::OPTIONS => "OPTIONS",
+            Method::CONNECT => "CONNECT",
+            Method::TRACE => "TRACE",
+        }
+    }
+}
+
+/// A path condition: exactly one of `exact`, `prefix` or `regex`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("[has(self.exact), has(self.prefix), has(self.regex)].filter(x, x).size() == 1").message("spec.rules[].match.path: set exactly one of exact, prefix or regex"))]
+pub struct PathMatch {
+    /// The path equals this value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024), regex(pattern = "^/"))]
+    pub exact: Option<String>,
+    /// The path starts with this value at a segment boundary: `/payments` matches `/payments`
+    /// and `/payments/42` but not `/paymentsx`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024), regex(pattern = "^/"))]
+    pub prefix: Option<String>,
+    /// The whole path matches this regular expression (RE2-like syntax; no look-around or
+    /// backreferences, so matching time is linear).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024))]
+    pub regex: Option<String>,
+}
+
+/// A header condition. With neither `value` nor `regex` the header only has to be present.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!(has(self.value) && has(self.regex))").message("spec.rules[].match.headers[]: set at most one of value or regex"))]
+pub struct HeaderMatch {
+    /// Header name (case-insensitive).
+    #[schemars(
+        length(min = 1, max = 256),
+        regex(pattern = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+    )]
+    pub name: String,
+    /// The header equals this value exactly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    pub value: Option<String>,
+    /// The whole header value matches this regular expression.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024))]
+    pub regex: Option<String>,
+}
+
+/// One part of the counter key: exactly one field is set.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("[has(self.header), has(self.clientIP), has(self.queryParam), has(self.jwtClaim), has(self.constant), has(self.endpoint)].filter(x, x).size() == 1").message("spec.rules[].key[]: set exactly one of header, clientIP, queryParam, jwtClaim, constant or endpoint"))]
+pub struct KeyPart {
+    /// The value of this request header, e.g. `x-api-key`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 256),
+        regex(pattern = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+    )]
+    pub header: Option<String>,
+    /// The client's IP address.
+    #[serde(default, rename = "clientIP", skip_serializing_if = "Option::is_none")]
+    pub client_ip: Option<ClientIp>,
+    /// The value of this query parameter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub query_param: Option<String>,
+    /// A claim of a JWT bearer token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jwt_claim: Option<JwtClaim>,
+    /// A fixed string, e.g. to share one counter across rules or name a tenant tier.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub constant: Option<String>,
+    /// The request's method and path (`POST /payments/42`): one bucket per endpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<EndpointKey>,
+}
+
+/// The client IP address as a key part.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ClientIp {
+    /// How many proxies in front of the pod append to `X-Forwarded-For`. 0 (default) uses the
+    /// TCP peer address. N uses the Nth entry from the right, the address the outermost trusted
+    /// proxy saw; entries further left are client-supplied and never trusted. When the header has
+    /// fewer entries than N, the leftmost entry's position cannot be trusted either and the peer
+    /// address is used.
+    #[serde(default)]
+    #[schemars(range(min = 0, max = 16))]
+    pub trusted_hops: u32,
+}
+
+/// A JWT claim as a key part. The token is decoded, **not verified**: tollgate sits in front of
+/// the application that verifies it. A client forging a token only chooses which bucket it spends
+/// from; pair a claim key with an IP rule if unverified tokens could reach the app.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct JwtClaim {
+    /// Header carrying the token. For `authorization`, a `Bearer ` prefix is stripped.
+    #[serde(default = "default_jwt_header")]
+    #[schemars(
+        length(min = 1, max = 256),
+        regex(pattern = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+    )]
+    pub header: String,
+    /// The claim name; nested claims use dots (`org.id`).
+    #[schemars(length(min = 1, max = 256))]
+    pub claim: String,
+}
+
+fn default_jwt_header() -> String {
+    "authorization".to_string()
+}
+
+/// Method and path of the request as a key part. Has no fields.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+pub struct EndpointKey {}
+
+/// What a rule does when a key part is missing from the request.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum MissingKey {
+    /// All requests lacking the part share one bucket.
+    #[default]
+    OwnBucket,
+    /// The rule does not apply to the request.
+    Skip,
+}
+
+/// The limit of a rule.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("self.algorithm == 'Concurrency' || has(self.period)").message("spec.rules[].limit.period is required unless algorithm is Concurrency").field_path(".period"),
+    validation = Rule::new("!has(self.burst) || self.algorithm == 'TokenBucket'").message("spec.rules[].limit.burst only applies to algorithm TokenBucket").field_path(".burst"),
+    validation = Rule::new("!has(self.maxDelay) || self.algorithm == 'LeakyBucket'").message("spec.rules[].limit.maxDelay only applies to algorithm LeakyBucket").field_path(".maxDelay"),
+    validation = Rule::new("self.algorithm != 'SlidingLog' || self.requests <= 10000").message("spec.rules[].limit.requests must be at most 10000 for SlidingLog (it stores one timestamp per request)").field_path(".requests"),
+)]
+pub struct Limit {
+    /// Requests admitted per `period` for each key (for Concurrency: requests in flight at once).
+    #[schemars(range(min = 1, max = 1_000_000_000))]
+    pub requests: u64,
+    /// The period, as a duration: `500ms`, `1s`, `1m`, `1h`, `1h30m`. At most 24h.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 2, max = 32),
+        regex(pattern = "^([0-9]{1,9}(ms|s|m|h))+$")
+    )]
+    #[x_kube(validation = Rule::new("duration(self) > duration('0s') && duration(self) <= duration('24h')").message("spec.rules[].limit.period must be greater than 0 and at most 24h"))]
+    pub period: Option<String>,
+    /// Token bucket capacity: how many requests a key may send at once after being idle.
+    /// Defaults to `requests`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1_000_000_000))]
+    pub burst: Option<u64>,
+    /// The algorithm. `TokenBucket` (default) allows bursts up to `burst` and a sustained rate
+    /// of requests/period; `SlidingWindow` approximates a rolling window with two counters;
+    /// `FixedWindow` counts per clock-aligned period (lets up to 2× through across a boundary);
+    /// `SlidingLog` is exact but stores a timestamp per request; `LeakyBucket` delays requests to
+    /// a constant rate (up to `maxDelay`) instead of rejecting them; `Concurrency` caps requests
+    /// in flight.
+    #[serde(default)]
+    pub algorithm: Algorithm,
+    /// LeakyBucket only: the longest a request may be held to smooth the rate before it is
+    /// rejected instead. Defaults to 0 (reject rather than queue).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 2, max = 32),
+        regex(pattern = "^([0-9]{1,9}(ms|s|m|h))+$")
+    )]
+    #[x_kube(validation = Rule::new("duration(self) <= duration('1m')").message("spec.rules[].limit.maxDelay must be at most 1m"))]
+    pub max_delay: Option<String>,
+}
+
+/// Rate-limiting algorithm.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, Hash)]
+pub enum Algorithm {
+    #[default]
+    TokenBucket,
+    SlidingWindow,
+    FixedWindow,
+    SlidingLog,
+    LeakyBucket,
+    Concurrency,
+}
+
+/// Tokens spent by one request: a fixed `amount`, or read from a request `header`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.max) || !has(self.amount) || self.amount <= self.max").message("spec.rules[].cost.amount must not exceed cost.max"))]
+pub struct Cost {
+    /// Fixed cost, and the cost used when `header` is absent or not a whole number. Default 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1_000_000))]
+    pub amount: Option<u32>,
+    /// Request header whose integer value is the cost (e.g. `x-cost`), clamped to `max`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 256),
+        regex(pattern = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+    )]
+    pub header: Option<String>,
+    /// Upper bound for a header-supplied cost, so a client cannot claim a huge cost to drain a
+    /// shared bucket. Default 100.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1_000_000))]
+    pub max: Option<u32>,
+}
+
+/// Where a rule's counters live.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, Hash)]
+pub enum Scope {
+    /// Shared across all sidecars of the policy (Redis, leased).
+    #[default]
+    Global,
+    /// Per sidecar, in memory.
+    Local,
+}
+
+/// How exact a global limit is.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, Hash)]
+pub enum Accuracy {
+    /// Spend locally leased token batches; over-admission is bounded by outstanding leases.
+    #[default]
+    Leased,
+    /// One atomic Redis call per request.
+    Strict,
+}
+
+/// Whether a rule rejects.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, Hash)]
+pub enum Mode {
+    /// Reject excess requests.
+    #[default]
+    Enforce,
+    /// Count and report would-be rejections; never reject.
+    Shadow,
+}
+
+/// Behaviour while the counter store is unreachable.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, Hash)]
+pub enum FailureMode {
+    /// Keep serving at the sidecar's local fallback share of the limit.
+    #[default]
+    Open,
+    /// Reject (503 with a problem+json body saying the limiter is unavailable).
+    Closed,
+}
+
+/// Where RateLimit headers are added.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, Hash)]
+pub enum ResponseHeaders {
+    /// On admitted and rejected responses.
+    #[default]
+    All,
+    /// Only on rejected responses.
+    Rejected,
+}
+
+/// Requests exempt from every rule of the policy.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.cidrs.all(c, isCIDR(c))").message("spec.bypass.cidrs must be CIDRs such as 10.0.0.0/8").field_path(".cidrs"))]
+pub struct Bypass {
+    /// Key values that are never limited: a request is exempt from a rule when any key part the
+    /// rule extracts equals one of these (e.g. an internal API key).
+    #[serde(default)]
+    #[schemars(length(max = 256), inner(length(min = 1, max = 256)))]
+    #[x_kube(merge_strategy = ListMerge::Set)]
+    pub keys: Vec<String>,
+    /// Client networks that are never limited, e.g. `10.0.0.0/8`.
+    #[serde(default)]
+    #[schemars(length(max = 256), inner(length(min = 1, max = 64)))]
+    #[x_kube(merge_strategy = ListMerge::Set)]
+    pub cidrs: Vec<String>,
+    /// How the client address checked against `cidrs` is found; see `clientIP.trustedHops`.
+    #[serde(default)]
+    #[schemars(range(min = 0, max = 16))]
+    pub trusted_hops: u32,
+}
+
+/// Observed state, written by the tollgate controller's leader.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RateLimitPolicyStatus {
+    /// The generation the conditions describe.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Accepted`: the policy compiled. `Programmed`: every selected sidecar enforces it.
+    #[serde(default)]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    pub conditions: Vec<Condition>,
+    /// Number of rules in the compiled policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule_count: Option<u32>,
+    /// Connected sidecars running the current version of the policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sidecars_in_sync: Option<u32>,
+    /// Connected sidecars selected by the policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sidecars_total: Option<u32>,
+    /// Version of the compiled rule set last streamed to sidecars.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rules_version: Option<u64>,
+}
+
+/// Condition types and reasons, shared by the controller and tests.
+pub mod conditions {
+    pub const ACCEPTED: &str = "Accepted";
+    pub const PROGRAMMED: &str = "Programmed";
+    pub const REASON_ACCEPTED: &str = "Accepted";
+    pub const REASON_INVALID: &str = "Invalid";
+    pub const REASON_PROGRAMMED: &str = "Programmed";
+    pub const REASON_PENDING: &str = "Pending";
+    pub const REASON_NO_SIDECARS: &str = "NoSidecars";
+}
+
+/// Labels from a `matchLabels` map, for tests and builders.
+pub fn match_labels<const N: usize>(pairs: [(&str, &str); N]) -> LabelSelector {
+    LabelSelector {
+        match_labels: Some(
+            pairs
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<BTreeMap<_, _>>(),
+        ),
+        match_expressions: None,
+    }
+}
