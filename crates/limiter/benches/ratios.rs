@@ -1,0 +1,283 @@
+//! Noise-resistant companion to `vs_governor`: the same scenarios and quota, but tollgate and
+//! governor are measured in interleaved rounds (A B A B …) and each side's best round is
+//! kept, so load from other processes on a shared 2-core machine affects both sides alike
+//! and preempted rounds drop out. Prints a table of ns per decision and the ratios behind
+//! the G6 goals. Run: `cargo bench -p tollgate-limiter --bench ratios`.
+
+use std::cell::Cell;
+use std::hint::black_box;
+use std::num::NonZeroU32;
+use std::sync::Barrier;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use governor::{Quota as GQuota, RateLimiter};
+use tollgate_limiter::{
+    Algorithm, Clock, KeyedLimiter, LimiterState, MonotonicClock, Params, Quota, SECOND,
+    StoreConfig, TokenBucket,
+};
+
+const RATE: u32 = 1_000_000;
+const BURST: u32 = 100;
+const STEP: u64 = 1_000;
+const KEYS: usize = 10_000;
+const OPS: u64 = 200_000;
+const ROUNDS: usize = 21;
+
+thread_local! {
+    static NOW: Cell<u64> = const { Cell::new(1 << 40) };
+}
+
+#[inline(always)]
+fn tick() -> u64 {
+    NOW.with(|c| {
+        let t = c.get() + STEP;
+        c.set(t);
+        t
+    })
+}
+
+#[derive(Clone, Copy, Default)]
+struct TlsClock;
+
+impl governor::clock::Clock for TlsClock {
+    type Instant = governor::nanos::Nanos;
+    #[inline(always)]
+    fn now(&self) -> Self::Instant {
+        NOW.with(|c| c.get()).into()
+    }
+}
+
+fn nz(n: u32) -> NonZeroU32 {
+    NonZeroU32::MIN.saturating_add(n.saturating_sub(1))
+}
+
+fn quota() -> Quota {
+    Quota {
+        algorithm: Algorithm::TokenBucket,
+        requests: u64::from(RATE),
+        period: SECOND,
+        burst: u64::from(BURST),
+        max_delay: 0,
+    }
+}
+
+fn gquota() -> GQuota {
+    GQuota::per_second(nz(RATE)).allow_burst(nz(BURST))
+}
+
+fn keys() -> (Vec<u64>, Vec<[u8; 8]>) {
+    let mut v: Vec<u64> = (0..KEYS as u64).collect();
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    for i in (1..v.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    let v: Vec<u64> = v
+        .iter()
+        .map(|k| k.wrapping_mul(0x2545_F491_4F6C_DD1D))
+        .collect();
+    let b = v.iter().map(|k| k.to_le_bytes()).collect();
+    (v, b)
+}
+
+/// ns per decision of one single-threaded round.
+fn round(mut f: impl FnMut(u64)) -> f64 {
+    let t = Instant::now();
+    for i in 0..OPS {
+        f(i);
+    }
+    t.elapsed().as_nanos() as f64 / OPS as f64
+}
+
+/// Aggregate ns per decision of one round on two threads.
+fn round2(f: &(dyn Fn(usize, u64) + Sync)) -> f64 {
+    static BASE: AtomicU64 = AtomicU64::new(1 << 50);
+    let base = BASE.fetch_add(OPS * STEP + SECOND, Ordering::Relaxed);
+    let barrier = Barrier::new(3);
+    let start = std::thread::scope(|s| {
+        for t in 0..2 {
+            let barrier = &barrier;
+            s.spawn(move || {
+                NOW.with(|c| c.set(base));
+                barrier.wait();
+                for i in 0..OPS {
+                    f(t, i);
+                }
+            });
+        }
+        barrier.wait();
+        Instant::now()
+    });
+    start.elapsed().as_nanos() as f64 / (2 * OPS) as f64
+}
+
+struct Row {
+    name: &'static str,
+    ours: Vec<f64>,
+    theirs: Vec<f64>,
+}
+
+fn best(v: &[f64]) -> f64 {
+    v.iter().copied().fold(f64::MAX, f64::min)
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let (gkeys, bkeys) = keys();
+    let q = quota();
+    let p = Params::new(&q);
+
+    let mut rows = vec![
+        Row {
+            name: "single key: state vs governor direct",
+            ours: vec![],
+            theirs: vec![],
+        },
+        Row {
+            name: "single key: keyed vs governor keyed",
+            ours: vec![],
+            theirs: vec![],
+        },
+        Row {
+            name: "10k keys: keyed vs governor keyed",
+            ours: vec![],
+            theirs: vec![],
+        },
+        Row {
+            name: "2 threads, 10k keys (aggregate)",
+            ours: vec![],
+            theirs: vec![],
+        },
+        Row {
+            name: "2 threads, one hot key (aggregate)",
+            ours: vec![],
+            theirs: vec![],
+        },
+        Row {
+            name: "real clock: keyed vs governor direct",
+            ours: vec![],
+            theirs: vec![],
+        },
+        Row {
+            name: "real clock: keyed vs governor keyed",
+            ours: vec![],
+            theirs: vec![],
+        },
+    ];
+
+    let mut tb = TokenBucket::new();
+    let one = KeyedLimiter::new(q, StoreConfig::default());
+    let many = KeyedLimiter::new(q, StoreConfig::default());
+    let two_many = KeyedLimiter::new(q, StoreConfig::default());
+    let two_hot = KeyedLimiter::new(q, StoreConfig::default());
+    let gd = RateLimiter::direct_with_clock(gquota(), TlsClock);
+    let gk1 = RateLimiter::<u64, _, _, _>::dashmap_with_clock(gquota(), TlsClock);
+    let gk = RateLimiter::<u64, _, _, _>::dashmap_with_clock(gquota(), TlsClock);
+    let g2k = RateLimiter::<u64, _, _, _>::dashmap_with_clock(gquota(), TlsClock);
+    let g2hot = RateLimiter::<u64, _, _, _>::dashmap_with_clock(gquota(), TlsClock);
+    // Real clocks: T = 1 ns, burst 1000, so a tight loop is mostly admitted on both sides.
+    let rq = Quota {
+        requests: SECOND,
+        burst: 1_000,
+        ..q
+    };
+    let real = KeyedLimiter::new(rq, StoreConfig::default());
+    let clock = MonotonicClock::new();
+    let Some(grq) = GQuota::with_period(Duration::from_nanos(1)) else {
+        return;
+    };
+    let grq = grq.allow_burst(nz(1_000));
+    let grd = RateLimiter::direct(grq);
+    let grk = RateLimiter::<u64, _, _>::keyed(grq);
+    let key = 42u64.to_le_bytes();
+
+    for _ in 0..ROUNDS {
+        rows[0].ours.push(round(|_| {
+            black_box(tb.acquire_with(&p, tick(), 1).allowed);
+        }));
+        rows[0].theirs.push(round(|_| {
+            tick();
+            black_box(gd.check().is_ok());
+        }));
+        rows[1].ours.push(round(|_| {
+            black_box(one.check(black_box(&key), tick(), 1).allowed);
+        }));
+        rows[1].theirs.push(round(|_| {
+            tick();
+            black_box(gk1.check_key(black_box(&42u64)).is_ok());
+        }));
+        rows[2].ours.push(round(|i| {
+            black_box(many.check(&bkeys[i as usize % KEYS], tick(), 1).allowed);
+        }));
+        rows[2].theirs.push(round(|i| {
+            tick();
+            black_box(gk.check_key(&gkeys[i as usize % KEYS]).is_ok());
+        }));
+        rows[3].ours.push(round2(&|t, i| {
+            let k = (i as usize * 2 + t * 5_003) % KEYS;
+            black_box(two_many.check(&bkeys[k], tick(), 1).allowed);
+        }));
+        rows[3].theirs.push(round2(&|t, i| {
+            let k = (i as usize * 2 + t * 5_003) % KEYS;
+            tick();
+            black_box(g2k.check_key(&gkeys[k]).is_ok());
+        }));
+        rows[4].ours.push(round2(&|_, _| {
+            black_box(two_hot.check(&key, tick(), 1).allowed);
+        }));
+        rows[4].theirs.push(round2(&|_, _| {
+            tick();
+            black_box(g2hot.check_key(&42u64).is_ok());
+        }));
+        let real_ns = round(|_| {
+            black_box(real.check(black_box(&key), clock.now(), 1).allowed);
+        });
+        rows[5].ours.push(real_ns);
+        rows[5].theirs.push(round(|_| {
+            black_box(grd.check().is_ok());
+        }));
+        rows[6].ours.push(real_ns);
+        rows[6].theirs.push(round(|_| {
+            black_box(grk.check_key(black_box(&42u64)).is_ok());
+        }));
+    }
+
+    println!(
+        "\n{} interleaved rounds of {} decisions; best (median) ns per decision",
+        ROUNDS, OPS
+    );
+    println!(
+        "| scenario | tollgate | governor | ratio (best) | ratio (median) |\n|---|---|---|---|---|"
+    );
+    for r in &rows {
+        let (ob, tb_) = (best(&r.ours), best(&r.theirs));
+        let (om, tm) = (median(&r.ours), median(&r.theirs));
+        println!(
+            "| {} | {:.2} ({:.2}) | {:.2} ({:.2}) | {:.2}x | {:.2}x |",
+            r.name,
+            ob,
+            om,
+            tb_,
+            tm,
+            ob / tb_,
+            om / tm
+        );
+    }
+    for r in &rows[3..5] {
+        println!(
+            "{}: tollgate {:.1} M decisions/s vs governor {:.1} M/s = {:.2}x throughput",
+            r.name,
+            1e3 / best(&r.ours),
+            1e3 / best(&r.theirs),
+            best(&r.theirs) / best(&r.ours)
+        );
+    }
+}
