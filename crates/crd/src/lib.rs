@@ -6,6 +6,7 @@ pub mod compile;
 pub mod compiled;
 pub mod duration;
 pub mod policy;
+pub mod stream;
 
 pub use compile::{CompileErrors, FieldError, compile, compile_parts, parse_yaml};
 pub use compiled::{CompiledPolicy, CompiledRule, WIRE_VERSION};

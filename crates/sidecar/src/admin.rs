@@ -1,0 +1,105 @@
+//! The admin port: probes, metrics and debug views. Bound separately from the proxy listener so
+//! the kubelet can reach it on the pod IP while the proxy may stay on loopback.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+
+use crate::proxy::{Shared, is_ready};
+
+/// Serves the admin endpoints until the task is dropped.
+pub async fn serve(listener: TcpListener, shared: Arc<Shared>) {
+    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            continue;
+        };
+        let shared = Arc::clone(&shared);
+        let service = hyper::service::service_fn(move |req| {
+            let shared = Arc::clone(&shared);
+            async move { Ok::<_, Infallible>(route(&shared, &req)) }
+        });
+        let conn = builder
+            .serve_connection(TokioIo::new(stream), service)
+            .into_owned();
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+    }
+}
+
+fn route(shared: &Shared, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+    match req.uri().path() {
+        "/healthz" | "/livez" => text(StatusCode::OK, "ok\n"),
+        "/readyz" => {
+            if is_ready(shared) {
+                text(StatusCode::OK, "ready\n")
+            } else {
+                text(StatusCode::SERVICE_UNAVAILABLE, "no rules loaded yet\n")
+            }
+        }
+        "/metrics" => {
+            let rules = shared.rules.load();
+            shared.metrics.active_keys.set(rules.active_keys() as i64);
+            shared.metrics.key_overflow_decisions.set(
+                rules
+                    .rules
+                    .iter()
+                    .map(|r| r.limiter.overflow_decisions())
+                    .sum::<u64>() as i64,
+            );
+            let mut resp = Response::new(Full::new(Bytes::from(shared.metrics.encode())));
+            resp.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+            );
+            resp
+        }
+        "/debug/rules" => {
+            let rules = shared.rules.load();
+            let policies: Vec<_> = rules.policies.iter().map(|p| &p.compiled).collect();
+            let described: Vec<String> = rules.rules.iter().map(|r| r.rule.describe()).collect();
+            json(&serde_json::json!({
+                "version": rules.version,
+                "wireVersion": tollgate_crd::WIRE_VERSION,
+                "policies": policies,
+                "rules": described,
+                "globalRulesEnforcedLocally": rules.local_fallback_rules,
+                "configError": shared.config_error.load().as_deref(),
+            }))
+        }
+        "/debug/config" => json(&serde_json::json!({
+            "version": shared.rules.load().version,
+            "configError": shared.config_error.load().as_deref(),
+        })),
+        _ => text(StatusCode::NOT_FOUND, "not found\n"),
+    }
+}
+
+fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
+    let mut resp = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    resp
+}
+
+fn json(v: &serde_json::Value) -> Response<Full<Bytes>> {
+    let mut resp = Response::new(Full::new(Bytes::from(v.to_string())));
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}

@@ -1,0 +1,327 @@
+//! Command line: `tollgate-sidecar [OPTIONS]` runs the proxy, `check` validates policies
+//! offline, `demo` runs the sidecar with an example policy in front of a built-in upstream.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::app;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tollgate-sidecar",
+    version,
+    about = "Localhost reverse proxy that enforces tollgate RateLimitPolicies in front of an app",
+    args_conflicts_with_subcommands = true
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Validate policy files offline and print what each rule will do; exits 1 on errors.
+    Check {
+        /// Policy files or directories (YAML, multi-document allowed).
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+    },
+    /// Run the sidecar enforcing manifests/examples/demo-local.yaml (5 requests per 10 s per
+    /// client) in front of a built-in upstream that answers 200, for trying tollgate out.
+    Demo {
+        /// Where the demo sidecar listens.
+        #[arg(long, default_value = "127.0.0.1:8081")]
+        listen: SocketAddr,
+        /// Where the demo's admin endpoints listen.
+        #[arg(long, default_value = "127.0.0.1:9091")]
+        admin: SocketAddr,
+    },
+}
+
+/// Options of the proxy (each also settable through the `TOLLGATE_*` variable shown).
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// Address the proxy listens on for client traffic.
+    #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8081")]
+    pub listen: SocketAddr,
+
+    /// The application behind the sidecar, e.g. http://127.0.0.1:8080.
+    #[arg(long, env = "TOLLGATE_UPSTREAM")]
+    pub upstream: Option<http::Uri>,
+
+    /// RateLimitPolicy YAML: one file (multi-document allowed) or a directory of them.
+    /// Standalone mode: enforced in memory and reloaded when the files change; a bad edit keeps
+    /// the last good rules and is reported on the admin port.
+    #[arg(long, env = "TOLLGATE_POLICIES")]
+    pub policies: Option<PathBuf>,
+
+    /// Address of the admin endpoints (/healthz, /readyz, /metrics, /debug/rules).
+    #[arg(long, env = "TOLLGATE_ADMIN", default_value = "127.0.0.1:9091")]
+    pub admin: SocketAddr,
+
+    /// How long to wait for the upstream's response headers before answering 504.
+    #[arg(long, env = "TOLLGATE_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub upstream_timeout: Duration,
+
+    /// How long a client may take to send request headers (cuts off slowloris clients); also
+    /// closes idle keep-alive connections.
+    #[arg(long, env = "TOLLGATE_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub header_read_timeout: Duration,
+
+    /// Largest request head (request line and headers) accepted, in bytes.
+    #[arg(long, env = "TOLLGATE_MAX_HEADER_BYTES", default_value_t = 64 * 1024)]
+    pub max_header_bytes: usize,
+
+    /// Most client keys tracked per rule; beyond it new keys share an overflow bucket so a flood
+    /// of distinct keys cannot exhaust memory.
+    #[arg(long, env = "TOLLGATE_MAX_KEYS_PER_RULE", default_value_t = 1_000_000)]
+    pub max_keys_per_rule: usize,
+
+    /// How often policy files are checked for changes.
+    #[arg(long, env = "TOLLGATE_RELOAD_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub reload_interval: Duration,
+
+    /// Add `tollgate-shadow-rejected: <n>` to responses that shadow rules would have rejected.
+    #[arg(long, env = "TOLLGATE_SHADOW_HEADER", default_value_t = false)]
+    pub shadow_header: bool,
+
+    /// Most rejection audit lines written per second; the rest are only counted.
+    #[arg(long, env = "TOLLGATE_AUDIT_PER_SECOND", default_value_t = 100)]
+    pub audit_per_second: u64,
+
+    /// How long SIGTERM waits for in-flight requests before closing connections.
+    #[arg(long, env = "TOLLGATE_DRAIN_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
+
+    /// tollgate-controller's rule stream, e.g. http://tollgate-controller.tollgate-system:8080.
+    /// Rules and membership come from the controller instead of --policies files.
+    #[arg(long, env = "TOLLGATE_CONTROLLER_URL", conflicts_with = "policies")]
+    pub controller: Option<String>,
+
+    /// This pod's name (downward API `metadata.name`), sent to the controller.
+    #[arg(long, env = "TOLLGATE_POD_NAME")]
+    pub pod_name: Option<String>,
+
+    /// This pod's namespace (downward API `metadata.namespace`).
+    #[arg(long, env = "TOLLGATE_POD_NAMESPACE")]
+    pub pod_namespace: Option<String>,
+
+    /// Projected ServiceAccount token presented to the controller (re-read at every connect).
+    #[arg(
+        long,
+        env = "TOLLGATE_TOKEN_FILE",
+        default_value = "/var/run/secrets/tollgate/token"
+    )]
+    pub token_file: PathBuf,
+
+    /// Reconnect to the controller when nothing arrived for this long (heartbeats come every 5 s).
+    #[arg(long, env = "TOLLGATE_CONTROLLER_IDLE_TIMEOUT", default_value = "15s", value_parser = parse_duration)]
+    pub controller_idle_timeout: Duration,
+
+    /// Redis for global limits (`redis://[:password@]host:port`, `rediss://` for TLS). Without
+    /// it, `scope: Global` rules are enforced per sidecar.
+    #[arg(long, env = "TOLLGATE_REDIS_URL")]
+    pub redis: Option<String>,
+
+    /// Treat --redis as a comma-separated list of Redis Cluster seed nodes.
+    #[arg(long, env = "TOLLGATE_REDIS_CLUSTER", default_value_t = false)]
+    pub redis_cluster: bool,
+
+    /// Longest a request waits for Redis (cold keys, dry leases, strict rules) before the
+    /// rule's failure mode applies.
+    #[arg(long, env = "TOLLGATE_REDIS_TIMEOUT", default_value = "5ms", value_parser = parse_duration)]
+    pub redis_timeout: Duration,
+
+    /// How often leases are synced: unused tokens returned, hot keys topped up.
+    #[arg(long, env = "TOLLGATE_SYNC_INTERVAL", default_value = "250ms", value_parser = parse_duration)]
+    pub sync_interval: Duration,
+
+    /// Timeout of one background sync round trip.
+    #[arg(long, env = "TOLLGATE_SYNC_TIMEOUT", default_value = "100ms", value_parser = parse_duration)]
+    pub sync_timeout: Duration,
+
+    /// How long leased tokens stay spendable without a successful sync (bounds spending of
+    /// already-leased tokens during an outage).
+    #[arg(long, env = "TOLLGATE_LEASE_TTL", default_value = "1s", value_parser = parse_duration)]
+    pub lease_ttl: Duration,
+
+    /// Number of Redis hashes buckets are spread over; about active keys / 16 keeps each hash
+    /// small and compactly encoded.
+    #[arg(long, env = "TOLLGATE_REDIS_GROUPS", default_value_t = 65536)]
+    pub redis_groups: u32,
+
+    /// This sidecar's identity in membership (defaults to the pod name and process id).
+    #[arg(long, env = "TOLLGATE_SIDECAR_ID")]
+    pub sidecar_id: Option<String>,
+
+    /// A sidecar that stops heartbeating leaves the membership count after this long.
+    #[arg(long, env = "TOLLGATE_MEMBERSHIP_TTL", default_value = "5s", value_parser = parse_duration)]
+    pub membership_ttl: Duration,
+
+    /// Log format: json (default, for log pipelines) or text.
+    #[arg(long, env = "TOLLGATE_LOG_FORMAT", default_value = "json")]
+    pub log_format: LogFormat,
+
+    /// Log filter, e.g. `info` or `info,tollgate::audit=off` (RUST_LOG syntax).
+    #[arg(long, env = "TOLLGATE_LOG", default_value = "info")]
+    pub log: String,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Json,
+    Text,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    tollgate_crd::duration::parse(s).map_err(|e| e.to_string())
+}
+
+/// Entry point of the binary.
+pub fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Check { paths }) => check(&paths),
+        Some(Command::Demo { listen, admin }) => {
+            let mut args = cli.run;
+            args.listen = listen;
+            args.admin = admin;
+            args.log_format = LogFormat::Text;
+            run_blocking(args, true)
+        }
+        None => run_blocking(cli.run, false),
+    }
+}
+
+fn run_blocking(args: RunArgs, demo: bool) -> std::process::ExitCode {
+    init_logging(&args);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("tollgate")
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("tollgate-sidecar: cannot start runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move {
+        if demo {
+            app::run_demo(args).await
+        } else {
+            app::run(args, shutdown_signal()).await.map(|_| ())
+        }
+    });
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %format!("{e:#}"), "tollgate-sidecar failed");
+            eprintln!("tollgate-sidecar: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(args: &RunArgs) {
+    let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match args.log_format {
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+    tracing::info!("shutdown requested; draining");
+}
+
+/// `tollgate-sidecar check`: prints each rule in words, or every error with its field path.
+fn check(paths: &[PathBuf]) -> std::process::ExitCode {
+    let mut failed = false;
+    for path in paths {
+        match crate::config::load(path) {
+            Ok(policies) => {
+                for p in &policies {
+                    println!(
+                        "policy {} (selects {})",
+                        p.id(),
+                        describe_selector(&p.selector)
+                    );
+                    for r in &p.rules {
+                        println!("  - {}", r.describe());
+                    }
+                    if !p.bypass.keys.is_empty() || !p.bypass.cidrs.is_empty() {
+                        println!(
+                            "  bypass: {} key(s), networks {:?}",
+                            p.bypass.keys.len(),
+                            p.bypass
+                                .cidrs
+                                .iter()
+                                .map(ToString::to_string)
+                                .collect::<Vec<_>>()
+                        );
+                    }
+                }
+            }
+            Err(errors) => {
+                failed = true;
+                for e in errors {
+                    eprintln!("error: {e}");
+                }
+            }
+        }
+    }
+    if failed {
+        std::process::ExitCode::FAILURE
+    } else {
+        std::process::ExitCode::SUCCESS
+    }
+}
+
+fn describe_selector(s: &tollgate_crd::compiled::Selector) -> String {
+    if s.match_labels.is_empty() && s.match_expressions.is_empty() {
+        return "every pod in the namespace".to_string();
+    }
+    let mut parts: Vec<String> = s
+        .match_labels
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    for e in &s.match_expressions {
+        parts.push(format!("{} {:?} {:?}", e.key, e.operator, e.values));
+    }
+    format!("pods with {}", parts.join(", "))
+}

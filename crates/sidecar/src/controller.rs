@@ -1,0 +1,242 @@
+//! Controller mode: rules and membership come from tollgate-controller's rule stream.
+//!
+//! The sidecar opens `GET /v1/watch` with its projected ServiceAccount token, applies each
+//! snapshot atomically (a request sees the old or the new rule set, never a mix), acknowledges
+//! the version it enforces, and reconnects with jittered exponential backoff when the stream
+//! breaks — enforcing the last-known-good rules meanwhile. Nothing is persisted: a restarted
+//! sidecar waits for its first snapshot before it reports ready.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tollgate_crd::stream::{Ack, MAX_LINE_BYTES, StreamMessage, parse_line};
+
+use crate::proxy::Shared;
+
+/// Where and as whom to connect.
+#[derive(Clone, Debug)]
+pub struct ControllerConfig {
+    pub url: String,
+    pub namespace: String,
+    pub pod: String,
+    /// Projected ServiceAccount token; re-read at every connect because the kubelet rotates it.
+    pub token_file: PathBuf,
+    /// Reconnect when nothing (not even a heartbeat) arrived for this long.
+    pub idle_timeout: Duration,
+}
+
+/// What the stream delivers to the rest of the sidecar.
+pub trait Apply: Send + Sync {
+    /// Installs a rule set; returns an error message if it could not be built.
+    fn rules(
+        &self,
+        version: u64,
+        policies: Vec<tollgate_crd::CompiledPolicy>,
+    ) -> Result<(), String>;
+    /// Live sidecar counts per policy, as the controller sees them.
+    fn members(&self, members: BTreeMap<String, u32>);
+}
+
+/// Runs the stream client forever.
+pub async fn run(config: ControllerConfig, shared: Arc<Shared>, apply: Arc<dyn Apply>) {
+    let client = match reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .build()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot build the controller client");
+            return;
+        }
+    };
+    let mut held: Option<(String, u64)> = None; // (epoch, version)
+    let mut backoff = Backoff::new();
+    loop {
+        match stream_once(&client, &config, &shared, apply.as_ref(), &mut held).await {
+            Ok(()) => backoff.reset(),
+            Err(e) => {
+                tracing::warn!(error = %e, controller = %config.url, "rule stream interrupted; enforcing the last-known-good rules");
+            }
+        }
+        shared.metrics.controller_connected.set(0);
+        tokio::time::sleep(backoff.next()).await;
+    }
+}
+
+async fn stream_once(
+    client: &reqwest::Client,
+    config: &ControllerConfig,
+    shared: &Shared,
+    apply: &dyn Apply,
+    held: &mut Option<(String, u64)>,
+) -> Result<(), String> {
+    let token = std::fs::read_to_string(&config.token_file)
+        .map_err(|e| format!("cannot read token {}: {e}", config.token_file.display()))?;
+    let mut url = reqwest::Url::parse(&format!("{}/v1/watch", config.url.trim_end_matches('/')))
+        .map_err(|e| format!("--controller {}: {e}", config.url))?;
+    {
+        let mut q = url.query_pairs_mut();
+        q.append_pair("namespace", &config.namespace)
+            .append_pair("pod", &config.pod);
+        if let Some((epoch, version)) = held.as_ref() {
+            q.append_pair("since", &version.to_string())
+                .append_pair("epoch", epoch);
+        }
+    }
+    let resp = client
+        .get(url)
+        .bearer_auth(token.trim())
+        .send()
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    if !resp.status().is_success() {
+        let status = resp.status();
+        let body = resp.text().await.unwrap_or_default();
+        return Err(format!("controller answered {status}: {}", body.trim()));
+    }
+    shared.metrics.controller_connected.set(1);
+    tracing::info!(controller = %config.url, "rule stream connected");
+    let mut body = resp.bytes_stream();
+    let mut buf: Vec<u8> = Vec::new();
+    loop {
+        let chunk = match tokio::time::timeout(config.idle_timeout, body.next()).await {
+            Err(_) => return Err(format!("no message for {:?}", config.idle_timeout)),
+            Ok(None) => return Err("stream closed by the controller".to_string()),
+            Ok(Some(Err(e))) => return Err(format!("read: {e}")),
+            Ok(Some(Ok(chunk))) => chunk,
+        };
+        buf.extend_from_slice(&chunk);
+        while let Some(pos) = buf.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = buf.drain(..=pos).collect();
+            let line = &line[..line.len() - 1];
+            if line.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            }
+            match parse_line(line)? {
+                StreamMessage::Snapshot {
+                    wire_version,
+                    version,
+                    policies,
+                    members,
+                    epoch: new_epoch,
+                } => {
+                    if wire_version != tollgate_crd::WIRE_VERSION {
+                        return Err(format!(
+                            "controller speaks wire version {wire_version}, this sidecar {}",
+                            tollgate_crd::WIRE_VERSION
+                        ));
+                    }
+                    if let Some((held_epoch, held_version)) = held.as_ref()
+                        && *held_epoch == new_epoch
+                        && version < *held_version
+                    {
+                        // Versions only grow within one controller epoch: this one is stale.
+                        tracing::warn!(version, held = *held_version, "ignoring an older snapshot");
+                        continue;
+                    }
+                    match apply.rules(version, policies) {
+                        Ok(()) => {
+                            apply.members(members);
+                            shared.metrics.controller_version.set(version as i64);
+                            ack(client, config, &new_epoch, version).await;
+                            *held = Some((new_epoch, version));
+                        }
+                        Err(e) => {
+                            // Keep the rules in force; the controller's status shows the policy.
+                            shared.metrics.config_errors.inc();
+                            tracing::error!(error = %e, version, "snapshot refused; keeping the last good rules");
+                        }
+                    }
+                }
+                StreamMessage::Members { members, .. } => apply.members(members),
+                StreamMessage::Heartbeat { .. } => {}
+            }
+        }
+        if buf.len() > MAX_LINE_BYTES {
+            return Err(format!("stream line longer than {MAX_LINE_BYTES} bytes"));
+        }
+    }
+}
+
+/// Tells the controller which version this sidecar enforces (best effort).
+async fn ack(client: &reqwest::Client, config: &ControllerConfig, epoch: &str, version: u64) {
+    let Ok(token) = std::fs::read_to_string(&config.token_file) else {
+        return;
+    };
+    let body = Ack {
+        namespace: config.namespace.clone(),
+        pod: config.pod.clone(),
+        version,
+        epoch: epoch.to_string(),
+    };
+    let url = format!("{}/v1/ack", config.url.trim_end_matches('/'));
+    let result = client
+        .post(url)
+        .bearer_auth(token.trim())
+        .timeout(Duration::from_secs(5))
+        .json(&body)
+        .send()
+        .await;
+    if let Err(e) = result {
+        tracing::debug!(error = %e, "ack failed");
+    }
+}
+
+/// Exponential backoff from 100 ms to 10 s with full jitter, so sidecars restarted together do
+/// not reconnect together.
+struct Backoff {
+    attempt: u32,
+    seed: u64,
+}
+
+impl Backoff {
+    fn new() -> Backoff {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        Backoff {
+            attempt: 0,
+            seed: h.finish() | 1,
+        }
+    }
+
+    fn reset(&mut self) {
+        self.attempt = 0;
+    }
+
+    fn next(&mut self) -> Duration {
+        let cap_ms = (100u64 << self.attempt.min(7)).min(10_000);
+        self.attempt = self.attempt.saturating_add(1);
+        // xorshift: cheap, good enough for jitter.
+        self.seed ^= self.seed << 13;
+        self.seed ^= self.seed >> 7;
+        self.seed ^= self.seed << 17;
+        Duration::from_millis(cap_ms / 2 + self.seed % (cap_ms / 2 + 1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_to_a_cap_with_jitter() {
+        let mut b = Backoff::new();
+        let first = b.next();
+        assert!(first >= Duration::from_millis(50) && first <= Duration::from_millis(100));
+        let mut last = Duration::ZERO;
+        for _ in 0..20 {
+            last = b.next();
+        }
+        assert!(
+            last >= Duration::from_secs(5) && last <= Duration::from_secs(10),
+            "{last:?}"
+        );
+        b.reset();
+        assert!(b.next() <= Duration::from_millis(100));
+    }
+}

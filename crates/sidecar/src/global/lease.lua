@@ -1,0 +1,147 @@
+-- tollgate: lease tokens from, and return tokens to, one global bucket.
+--
+-- Buckets live as fields of a group hash (KEYS[1]), so that many small buckets share one Redis
+-- key and its overhead: a token bucket costs ~20 bytes in a listpack-encoded hash instead of
+-- ~130 bytes as a key of its own. Redis TIME is the only clock, so sidecars never disagree
+-- about a window.
+--
+-- KEYS[1]  group hash
+-- ARGV[1]  field: the bucket id (binary)
+-- ARGV[2]  algorithm: 1 token bucket (GCRA), 2 sliding window counter, 3 fixed window
+-- ARGV[3]  requests per period
+-- ARGV[4]  period in milliseconds
+-- ARGV[5]  burst (token bucket capacity)
+-- ARGV[6]  want: tokens to take now (may be 0)
+-- ARGV[7]  give back: unused tokens returned (may be 0)
+-- ARGV[8]  window the returned tokens were taken in (windows only; ignored when it has passed)
+-- ARGV[9]  1 = all or nothing (strict and cold requests), 0 = grant as many as available
+-- returns {granted, remaining, reset_ms, retry_after_ms, window}
+local key, field = KEYS[1], ARGV[1]
+local algo = tonumber(ARGV[2])
+local limit = tonumber(ARGV[3])
+local period = tonumber(ARGV[4])
+local burst = tonumber(ARGV[5])
+local want = tonumber(ARGV[6])
+local back = tonumber(ARGV[7])
+local back_window = tonumber(ARGV[8])
+local all_or_nothing = ARGV[9] == '1'
+
+local t = redis.call('TIME')
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now_ms = math.floor(now_us / 1000)
+
+local function keep_alive(ms)
+  local ttl = redis.call('PTTL', key)
+  if ttl < ms then redis.call('PEXPIRE', key, ms) end
+end
+
+local state = redis.call('HGET', key, field)
+local granted, remaining, reset_ms, retry_ms, window = 0, 0, 0, 0, 0
+
+if algo == 1 then
+  -- GCRA: tat is the theoretical arrival time in microseconds; the bucket is full when tat <= now.
+  local T = period * 1000 / limit
+  local tau = burst * T
+  local tat = tonumber(state) or now_us
+  if tat < now_us then tat = now_us end
+  if back > 0 then
+    tat = tat - back * T
+    if tat < now_us then tat = now_us end
+  end
+  local available = math.floor((now_us + tau - tat) / T + 1e-9)
+  if available < 0 then available = 0 end
+  if want > 0 then
+    if want <= available then granted = want elseif not all_or_nothing then granted = available end
+  end
+  tat = tat + granted * T
+  remaining = available - granted
+  reset_ms = math.ceil((tat - now_us) / 1000)
+  if granted < want then
+    retry_ms = math.ceil((tat + want * T - now_us - tau) / 1000)
+    if retry_ms < 0 then retry_ms = 0 end
+  end
+  if tat <= now_us then
+    redis.call('HDEL', key, field)
+  else
+    redis.call('HSET', key, field, string.format('%.0f', math.ceil(tat)))
+    keep_alive(reset_ms + 1000)
+  end
+else
+  -- Windows are aligned to Redis time; state is "<kind><window end ms>,<period ms>,<current>[,<previous>]".
+  local win = math.floor(now_ms / period)
+  local win_end = (win + 1) * period
+  local cur, prev = 0, 0
+  if state then
+    local s_end, s_period, s_cur, s_prev = string.match(state, '^.(%d+),(%d+),(%d+),?(%d*)$')
+    s_end = tonumber(s_end)
+    if s_end == win_end then
+      cur, prev = tonumber(s_cur), tonumber(s_prev) or 0
+    elseif s_end == win_end - period then
+      prev = tonumber(s_cur)
+    end
+  end
+  if back > 0 and back_window == win then
+    cur = cur - back
+    if cur < 0 then cur = 0 end
+  end
+  local elapsed = now_ms - win * period
+  local weight = 0
+  if algo == 2 then weight = 1 - elapsed / period end
+  local estimated = prev * weight + cur
+  local available = math.floor(limit - estimated + 1e-9)
+  if available < 0 then available = 0 end
+  if want > 0 then
+    if want <= available then granted = want elseif not all_or_nothing then granted = available end
+  end
+  cur = cur + granted
+  remaining = available - granted
+  reset_ms = win_end - now_ms
+  window = win
+  if granted < want then
+    retry_ms = reset_ms
+    if algo == 2 and prev > 0 then
+      -- When will the previous window's weight have decayed enough for `want`?
+      local room = limit - cur - want
+      if room >= 0 then
+        local e = period * (1 - room / prev)
+        if e > elapsed then retry_ms = math.ceil(e - elapsed) end
+      end
+    end
+  end
+  if algo == 2 then
+    if cur == 0 and prev == 0 then
+      redis.call('HDEL', key, field)
+    else
+      redis.call('HSET', key, field, string.format('s%.0f,%.0f,%.0f,%.0f', win_end, period, cur, prev))
+      keep_alive(2 * period + 1000)
+    end
+  else
+    if cur == 0 then
+      redis.call('HDEL', key, field)
+    else
+      redis.call('HSET', key, field, string.format('f%.0f,%.0f,%.0f', win_end, period, cur))
+      keep_alive(period + 1000)
+    end
+  end
+end
+
+-- Drop fields that no longer matter once a group grows, so idle buckets cost nothing even
+-- though hash fields have no TTL of their own.
+if now_us % 16 == 0 and redis.call('HLEN', key) > 64 then
+  local all = redis.call('HGETALL', key)
+  for i = 1, #all, 2 do
+    local v = all[i + 1]
+    local first = string.sub(v, 1, 1)
+    local dead = false
+    if first == 's' or first == 'f' then
+      local e, p = string.match(v, '^.(%d+),(%d+)')
+      e, p = tonumber(e), tonumber(p)
+      if first == 's' then dead = now_ms >= e + p else dead = now_ms >= e end
+    else
+      dead = (tonumber(v) or 0) <= now_us
+    end
+    if dead then redis.call('HDEL', key, all[i]) end
+  end
+end
+
+return {granted, remaining, reset_ms, retry_ms, window}

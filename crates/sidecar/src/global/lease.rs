@@ -1,0 +1,528 @@
+//! Leased token batches: how a global limit is enforced without a Redis round trip per request.
+//!
+//! For each hot key a sidecar holds a local allowance taken from the global bucket. Requests
+//! spend it with one atomic operation. A background task syncs every interval: it returns what
+//! the key's recent demand does not need and tops up keys that ran low, all in one pipelined
+//! round trip. A key that runs dry before the next sync, and a key seen for the first time, pay
+//! one round trip bounded by a tight timeout. Tokens are taken from the global bucket before
+//! they are spent, so leasing itself never over-admits; the cost of leasing is that tokens parked
+//! in one sidecar are briefly unavailable to the others, bounded by each sidecar's share.
+//!
+//! A sidecar's share (the most it may hold for one key, and its fallback rate while Redis is
+//! unreachable) is the limit divided by the live sidecars enforcing the policy.
+
+use std::collections::HashMap;
+use std::hash::Hasher;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+use tollgate_crd::compiled::{Accuracy, Algorithm, CompiledRule, FailureMode};
+use tollgate_limiter::{Decision, KeyedLimiter, Nanos, Quota, StoreConfig};
+
+use super::GlobalMetrics;
+use super::store::{LeaseOp, LeaseReply, Store, StoreError};
+
+const NANOS_PER_MS: Nanos = 1_000_000;
+const SHARDS: usize = 16;
+
+/// Settings shared by every global rule.
+pub struct LeaseSettings {
+    /// Timeout of a Redis call made while a request waits (cold key, dry lease, strict rule).
+    pub request_timeout: Duration,
+    /// Timeout of the background sync round trip.
+    pub sync_timeout: Duration,
+    pub sync_interval: Duration,
+    /// How long leased tokens stay spendable without a successful sync (outage bound).
+    pub lease_ttl: Duration,
+}
+
+/// The shared runtime: Redis, settings, metrics and the wake-up for early syncs.
+pub struct GlobalRuntime {
+    pub store: Store,
+    pub settings: LeaseSettings,
+    pub metrics: GlobalMetrics,
+    /// Signalled when a hot key drops below its low watermark, so the sync runs early.
+    pub wake: tokio::sync::Notify,
+    /// Live sidecar counts pushed by the controller; when set they replace the Redis heartbeat
+    /// membership (the controller sees every connected sidecar, including idle ones).
+    pub controller_members: arc_swap::ArcSwapOption<std::collections::BTreeMap<String, u32>>,
+}
+
+/// One key's local allowance.
+pub struct Slot {
+    field: [u8; 16],
+    group: u32,
+    tokens: AtomicU64,
+    spent: AtomicU64,
+    target: AtomicU64,
+    global_remaining: AtomicU64,
+    reset_ms: AtomicU64,
+    window: AtomicU64,
+    valid_until: AtomicU64,
+    last_used: AtomicU64,
+    /// When the last sync planned this key (demand is measured since then).
+    last_plan: AtomicU64,
+    /// Single flight for round trips of this key: one request refills, the others wait for it.
+    refill: tokio::sync::Mutex<()>,
+}
+
+/// What a request may do without awaiting anything.
+pub enum LocalOutcome {
+    Decided(Decision),
+    /// Redis is unavailable and the rule fails closed.
+    Unavailable,
+    /// A round trip is needed (cold key, exhausted lease, strict rule).
+    NeedRemote,
+}
+
+/// A global rule's leasing state.
+pub struct GlobalRule {
+    pub rule_id: String,
+    pub policy_id: String,
+    algorithm: u8,
+    requests: u64,
+    period_ms: u64,
+    burst: u64,
+    /// What `remaining` counts down from: burst for token buckets, requests for windows.
+    capacity: u64,
+    strict: bool,
+    pub failure_mode: FailureMode,
+    shards: Vec<Mutex<HashMap<[u8; 16], Arc<Slot>>>>,
+    live: AtomicU32,
+    /// Local limiter at this sidecar's share, used while Redis is unreachable (fail open).
+    fallback: ArcSwap<KeyedLimiter>,
+    store_config: StoreConfig,
+    pub runtime: Arc<GlobalRuntime>,
+}
+
+/// The algorithm code the lease script understands, or None if the algorithm cannot be global.
+pub fn algorithm_code(a: Algorithm) -> Option<u8> {
+    match a {
+        Algorithm::TokenBucket => Some(1),
+        Algorithm::SlidingWindow => Some(2),
+        Algorithm::FixedWindow => Some(3),
+        _ => None,
+    }
+}
+
+impl GlobalRule {
+    pub fn new(
+        rule: &CompiledRule,
+        policy_id: &str,
+        runtime: Arc<GlobalRuntime>,
+        store_config: StoreConfig,
+    ) -> Result<GlobalRule, String> {
+        let algorithm = algorithm_code(rule.limit.algorithm)
+            .ok_or_else(|| format!("{}: {:?} cannot be global", rule.id, rule.limit.algorithm))?;
+        let capacity = match rule.limit.algorithm {
+            Algorithm::TokenBucket => rule.limit.burst,
+            _ => rule.limit.requests,
+        };
+        let fallback = Arc::new(KeyedLimiter::new(
+            share_quota(rule, 1).map_err(|e| format!("{}: {e}", rule.id))?,
+            store_config,
+        ));
+        Ok(GlobalRule {
+            rule_id: rule.id.clone(),
+            policy_id: policy_id.to_string(),
+            algorithm,
+            requests: rule.limit.requests,
+            period_ms: rule.limit.period_ms,
+            burst: rule.limit.burst,
+            capacity,
+            strict: rule.accuracy == Accuracy::Strict,
+            failure_mode: rule.failure_mode,
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            live: AtomicU32::new(1),
+            fallback: ArcSwap::from(fallback),
+            store_config,
+            runtime,
+        })
+    }
+
+    /// Whether `other` enforces the same bucket with the same parameters (state can be kept
+    /// across a rule reload).
+    pub fn same_bucket(&self, rule: &CompiledRule) -> bool {
+        self.rule_id == rule.id
+            && algorithm_code(rule.limit.algorithm) == Some(self.algorithm)
+            && self.requests == rule.limit.requests
+            && self.period_ms == rule.limit.period_ms
+            && self.burst == rule.limit.burst
+            && self.strict == (rule.accuracy == Accuracy::Strict)
+            && self.failure_mode == rule.failure_mode
+    }
+
+    /// Live sidecars enforcing this rule's policy (at least 1).
+    pub fn live_sidecars(&self) -> u32 {
+        self.live.load(Ordering::Relaxed)
+    }
+
+    /// Updates the membership count; recomputes the share when it changed.
+    pub fn set_live_sidecars(&self, n: u32, rule: Option<&CompiledRule>) {
+        let n = n.max(1);
+        if self.live.swap(n, Ordering::Relaxed) != n
+            && let Some(rule) = rule
+            && let Ok(q) = share_quota(rule, n)
+        {
+            self.fallback
+                .store(Arc::new(KeyedLimiter::new(q, self.store_config)));
+        }
+    }
+
+    /// The most this sidecar may hold for one key: its share of the capacity.
+    pub fn share(&self) -> u64 {
+        (self.capacity / u64::from(self.live_sidecars())).max(1)
+    }
+
+    /// The bucket id all sidecars agree on for a counter key (not secret: it only has to be
+    /// stable and collision-free; 128 bits make accidental or crafted collisions impractical).
+    pub fn field_for(&self, key: &[u8]) -> ([u8; 16], u32) {
+        let mut h = siphasher::sip128::SipHasher13::new_with_keys(0x746f_6c6c_6761_7465, 0);
+        h.write(self.rule_id.as_bytes());
+        h.write_u8(0xff);
+        h.write(key);
+        let field = siphasher::sip128::Hasher128::finish128(&h).as_bytes();
+        let group = u32::from_le_bytes([field[0], field[1], field[2], field[3]])
+            % self.runtime.store.groups;
+        (field, group)
+    }
+
+    fn shard(&self, field: &[u8; 16]) -> &Mutex<HashMap<[u8; 16], Arc<Slot>>> {
+        &self.shards[field[15] as usize % SHARDS]
+    }
+
+    fn slot(&self, field: &[u8; 16]) -> Option<Arc<Slot>> {
+        self.shard(field).lock().get(field).cloned()
+    }
+
+    fn slot_or_insert(&self, field: [u8; 16], group: u32, now: Nanos) -> Arc<Slot> {
+        let mut shard = self.shard(&field).lock();
+        Arc::clone(shard.entry(field).or_insert_with(|| {
+            Arc::new(Slot {
+                field,
+                group,
+                tokens: AtomicU64::new(0),
+                spent: AtomicU64::new(0),
+                target: AtomicU64::new(1),
+                global_remaining: AtomicU64::new(0),
+                reset_ms: AtomicU64::new(0),
+                window: AtomicU64::new(0),
+                valid_until: AtomicU64::new(0),
+                last_used: AtomicU64::new(now),
+                last_plan: AtomicU64::new(now),
+                refill: tokio::sync::Mutex::new(()),
+            })
+        }))
+    }
+
+    /// The hot path: spend from the local lease, or decide by the failure mode while Redis is
+    /// known to be down. Never awaits, never touches the network.
+    pub fn try_local(&self, field: &[u8; 16], key: &[u8], now: Nanos, cost: u64) -> LocalOutcome {
+        if !self.strict
+            && let Some(slot) = self.slot(field)
+            && let Some(d) = self.spend(&slot, now, cost)
+        {
+            return LocalOutcome::Decided(d);
+        }
+        if self.runtime.store.breaker.is_open() {
+            return self.degraded(key, now, cost);
+        }
+        LocalOutcome::NeedRemote
+    }
+
+    /// Decision while Redis is unreachable: the rule's failure mode.
+    fn degraded(&self, key: &[u8], now: Nanos, cost: u64) -> LocalOutcome {
+        match self.failure_mode {
+            FailureMode::Closed => LocalOutcome::Unavailable,
+            FailureMode::Open => {
+                let d = self.fallback.load().check(key, now, cost);
+                if d.allowed {
+                    self.runtime.metrics.fallback_admitted.inc_by(cost);
+                }
+                LocalOutcome::Decided(d)
+            }
+        }
+    }
+
+    /// Takes `cost` from the slot's allowance if it holds enough and the lease is valid.
+    fn spend(&self, slot: &Slot, now: Nanos, cost: u64) -> Option<Decision> {
+        if slot.valid_until.load(Ordering::Acquire) < now {
+            return None;
+        }
+        let mut cur = slot.tokens.load(Ordering::Acquire);
+        loop {
+            if cur < cost {
+                return None;
+            }
+            match slot.tokens.compare_exchange_weak(
+                cur,
+                cur - cost,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(actual) => cur = actual,
+            }
+        }
+        slot.spent.fetch_add(cost, Ordering::Relaxed);
+        slot.last_used.store(now, Ordering::Relaxed);
+        let left = cur - cost;
+        // Low watermark: ask the sync task for a top-up before this key runs dry.
+        if left * 4 < slot.target.load(Ordering::Relaxed) {
+            self.runtime.wake.notify_one();
+        }
+        Some(Decision {
+            allowed: true,
+            limit: self.capacity,
+            remaining: slot
+                .global_remaining
+                .load(Ordering::Relaxed)
+                .saturating_add(left)
+                .min(self.capacity),
+            reset: slot.reset_ms.load(Ordering::Relaxed) * NANOS_PER_MS,
+            retry_after: 0,
+            delay: 0,
+        })
+    }
+
+    /// The slow path: one round trip (single flight per key), bounded by the request timeout.
+    pub async fn acquire_remote(&self, key: Vec<u8>, now: Nanos, cost: u64) -> LocalOutcome {
+        let (field, group) = self.field_for(&key);
+        let timeout = self.runtime.settings.request_timeout;
+        if self.strict {
+            let op = self.op(field, group, cost, 0, 0, true);
+            return match self.call(op, timeout).await {
+                Ok(r) => LocalOutcome::Decided(self.decision_from(&r, r.granted >= cost)),
+                Err(_) => self.degraded(&key, now, cost),
+            };
+        }
+        let slot = self.slot_or_insert(field, group, now);
+        let Ok(_guard) = tokio::time::timeout(timeout, slot.refill.lock()).await else {
+            // Another request's refill is still outstanding after our whole budget.
+            return self.degraded(&key, now, cost);
+        };
+        // The refill we waited for may have brought enough tokens.
+        if let Some(d) = self.spend(&slot, now, cost) {
+            return LocalOutcome::Decided(d);
+        }
+        let held = slot.tokens.load(Ordering::Acquire);
+        let target = slot.target.load(Ordering::Relaxed).min(self.share());
+        let want = cost.saturating_sub(held).max(target.saturating_sub(held));
+        match self
+            .call(self.op(field, group, want, 0, 0, false), timeout)
+            .await
+        {
+            Ok(r) => {
+                self.apply(&slot, &r, now);
+                slot.tokens.fetch_add(r.granted, Ordering::AcqRel);
+                match self.spend(&slot, now, cost) {
+                    Some(d) => LocalOutcome::Decided(d),
+                    None => LocalOutcome::Decided(self.decision_from(&r, false)),
+                }
+            }
+            Err(_) => self.degraded(&key, now, cost),
+        }
+    }
+
+    fn op(
+        &self,
+        field: [u8; 16],
+        group: u32,
+        want: u64,
+        give_back: u64,
+        back_window: u64,
+        all_or_nothing: bool,
+    ) -> LeaseOp {
+        LeaseOp {
+            group,
+            field,
+            algorithm: self.algorithm,
+            requests: self.requests,
+            period_ms: self.period_ms,
+            burst: self.burst,
+            want,
+            give_back,
+            back_window,
+            all_or_nothing,
+        }
+    }
+
+    async fn call(&self, op: LeaseOp, timeout: Duration) -> Result<LeaseReply, StoreError> {
+        let store = &self.runtime.store;
+        if !store.breaker.allow() {
+            return Err(StoreError::BreakerOpen);
+        }
+        let started = std::time::Instant::now();
+        let result = store.lease_batch(std::slice::from_ref(&op), timeout).await;
+        let m = &self.runtime.metrics;
+        m.lease_seconds.observe(started.elapsed().as_secs_f64());
+        m.lease_calls.inc();
+        match result {
+            Ok(mut replies) => {
+                let r = replies
+                    .pop()
+                    .ok_or_else(|| StoreError::BadReply("empty".into()))?;
+                m.tokens_leased.inc_by(r.granted);
+                Ok(r)
+            }
+            Err(e) => {
+                m.redis_error(e.kind());
+                Err(e)
+            }
+        }
+    }
+
+    fn decision_from(&self, r: &LeaseReply, allowed: bool) -> Decision {
+        Decision {
+            allowed,
+            limit: self.capacity,
+            remaining: r.remaining.min(self.capacity),
+            reset: r.reset_ms * NANOS_PER_MS,
+            retry_after: if allowed {
+                0
+            } else {
+                r.retry_after_ms.max(1) * NANOS_PER_MS
+            },
+            delay: 0,
+        }
+    }
+
+    fn apply(&self, slot: &Slot, r: &LeaseReply, now: Nanos) {
+        slot.global_remaining.store(r.remaining, Ordering::Relaxed);
+        slot.reset_ms.store(r.reset_ms, Ordering::Relaxed);
+        slot.window.store(r.window, Ordering::Relaxed);
+        slot.valid_until.store(
+            now + self.runtime.settings.lease_ttl.as_nanos() as Nanos,
+            Ordering::Release,
+        );
+    }
+
+    /// Plans this rule's part of a sync round: returns and top-ups per key, and drops keys that
+    /// went idle (returning their tokens).
+    pub fn plan_sync(&self, now: Nanos, plan: &mut Vec<(Arc<Slot>, LeaseOp)>) {
+        let interval = self.runtime.settings.sync_interval.as_nanos() as Nanos;
+        let idle_after = 2 * interval;
+        let share = self.share();
+        for shard in &self.shards {
+            let mut map = shard.lock();
+            map.retain(|_, slot| {
+                let demand = slot.spent.swap(0, Ordering::AcqRel);
+                let since = now
+                    .saturating_sub(slot.last_plan.swap(now, Ordering::AcqRel))
+                    .max(1);
+                let idle = demand == 0
+                    && now.saturating_sub(slot.last_used.load(Ordering::Relaxed)) > idle_after;
+                // Demand projected over one sync interval (early syncs measure shorter spans),
+                // with half again as headroom; shrink at most by half per round so a short lull
+                // does not empty a hot key; never more than this sidecar's share.
+                let projected = (u128::from(demand) * u128::from(interval) / u128::from(since))
+                    .min(u128::from(u64::MAX)) as u64;
+                let previous = slot.target.load(Ordering::Relaxed);
+                let target = if idle {
+                    0
+                } else {
+                    (projected + projected / 2 + 1).max(previous / 2).min(share)
+                };
+                slot.target.store(target.max(1), Ordering::Relaxed);
+                let held = slot.tokens.load(Ordering::Acquire);
+                if held > target {
+                    let give = take_up_to(&slot.tokens, held - target);
+                    if give > 0 {
+                        plan.push((
+                            Arc::clone(slot),
+                            self.op(
+                                slot.field,
+                                slot.group,
+                                0,
+                                give,
+                                slot.window.load(Ordering::Relaxed),
+                                false,
+                            ),
+                        ));
+                    }
+                } else if !idle && held * 2 < target {
+                    plan.push((
+                        Arc::clone(slot),
+                        self.op(slot.field, slot.group, target - held, 0, 0, false),
+                    ));
+                }
+                !idle || slot.tokens.load(Ordering::Acquire) > 0
+            });
+        }
+    }
+
+    /// Applies a sync reply (or failure) to the slot it was planned for.
+    pub fn finish_sync(&self, slot: &Slot, op: &LeaseOp, reply: Option<&LeaseReply>, now: Nanos) {
+        match reply {
+            Some(r) => {
+                self.apply(slot, r, now);
+                slot.tokens.fetch_add(r.granted, Ordering::AcqRel);
+            }
+            // The return did not reach Redis: keep the tokens (they were taken legitimately).
+            None => {
+                slot.tokens.fetch_add(op.give_back, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Extends the validity of every held lease after a successful round trip proved Redis
+    /// reachable.
+    pub fn refresh_validity(&self, now: Nanos) {
+        let until = now + self.runtime.settings.lease_ttl.as_nanos() as Nanos;
+        for shard in &self.shards {
+            for slot in shard.lock().values() {
+                slot.valid_until.store(until, Ordering::Release);
+            }
+        }
+    }
+
+    /// Keys with a lease held here.
+    pub fn leased_keys(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().len()).sum()
+    }
+
+    /// Tokens held locally across keys (returned on shutdown).
+    pub fn drain_ops(&self) -> Vec<LeaseOp> {
+        let mut ops = Vec::new();
+        for shard in &self.shards {
+            for slot in shard.lock().values() {
+                let give = slot.tokens.swap(0, Ordering::AcqRel);
+                if give > 0 {
+                    ops.push(self.op(
+                        slot.field,
+                        slot.group,
+                        0,
+                        give,
+                        slot.window.load(Ordering::Relaxed),
+                        false,
+                    ));
+                }
+            }
+        }
+        ops
+    }
+}
+
+/// Atomically takes up to `n` from `a`; returns how much was taken.
+fn take_up_to(a: &AtomicU64, n: u64) -> u64 {
+    let mut cur = a.load(Ordering::Acquire);
+    loop {
+        let take = cur.min(n);
+        match a.compare_exchange_weak(cur, cur - take, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return take,
+            Err(actual) => cur = actual,
+        }
+    }
+}
+
+/// The local fallback quota: the rule's limit divided among `n` sidecars.
+fn share_quota(rule: &CompiledRule, n: u32) -> Result<Quota, tollgate_limiter::QuotaError> {
+    let mut limit = rule.limit;
+    let n = u64::from(n.max(1));
+    limit.requests = (limit.requests / n).max(1);
+    limit.burst = (limit.burst / n).max(1);
+    crate::rules::quota_for(&limit)
+}

@@ -1,0 +1,317 @@
+//! Global limits: buckets in Redis, spent through local leases, synced in the background.
+//!
+//! - [`store`]: Redis, the Lua scripts, timeouts and the circuit breaker.
+//! - [`lease`]: per-rule local allowances and the hot path that spends them.
+//! - this module: the sync loop (returns, top-ups, membership heartbeats) and metrics.
+
+pub mod lease;
+pub mod store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use tollgate_limiter::Clock;
+
+pub use lease::{GlobalRule, GlobalRuntime, LeaseSettings, LocalOutcome};
+pub use store::Store;
+
+use crate::proxy::Shared;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PolicyLabels {
+    policy: String,
+}
+
+/// Metrics of the global limiter.
+#[derive(Clone)]
+pub struct GlobalMetrics {
+    pub lease_seconds: Histogram,
+    pub lease_calls: Counter,
+    pub sync_rounds: Counter,
+    pub tokens_leased: Counter,
+    pub tokens_returned: Counter,
+    redis_errors: Family<KindLabels, Counter>,
+    pub breaker_open: Gauge,
+    pub fallback_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
+    pub fallback_admitted: Counter,
+    live_sidecars: Family<PolicyLabels, Gauge>,
+    pub leased_keys: Gauge,
+}
+
+impl GlobalMetrics {
+    pub fn register(registry: &mut Registry) -> GlobalMetrics {
+        let m = GlobalMetrics {
+            lease_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 16)),
+            lease_calls: Counter::default(),
+            sync_rounds: Counter::default(),
+            tokens_leased: Counter::default(),
+            tokens_returned: Counter::default(),
+            redis_errors: Family::default(),
+            breaker_open: Gauge::default(),
+            fallback_seconds: Counter::default(),
+            fallback_admitted: Counter::default(),
+            live_sidecars: Family::default(),
+            leased_keys: Gauge::default(),
+        };
+        let r = registry;
+        r.register(
+            "lease_duration_seconds",
+            "Round-trip time of Redis lease calls made while a request waits",
+            m.lease_seconds.clone(),
+        );
+        r.register(
+            "lease_calls",
+            "Redis lease calls made while a request waited (cold keys, dry leases, strict rules)",
+            m.lease_calls.clone(),
+        );
+        r.register(
+            "sync_rounds",
+            "Background sync round trips (returns, top-ups, heartbeats)",
+            m.sync_rounds.clone(),
+        );
+        r.register(
+            "tokens_leased",
+            "Tokens taken from global buckets",
+            m.tokens_leased.clone(),
+        );
+        r.register(
+            "tokens_returned",
+            "Unused tokens given back to global buckets",
+            m.tokens_returned.clone(),
+        );
+        r.register(
+            "redis_errors",
+            "Failed Redis calls by kind (timeout, connection, breaker_open, error, bad_reply)",
+            m.redis_errors.clone(),
+        );
+        r.register(
+            "redis_breaker_open",
+            "1 while the Redis circuit breaker is open (failure modes apply)",
+            m.breaker_open.clone(),
+        );
+        r.register(
+            "fallback_seconds",
+            "Time spent with Redis unreachable, deciding by each rule's failure mode",
+            m.fallback_seconds.clone(),
+        );
+        r.register("fallback_admitted", "Tokens admitted by fail-open fallback limiters: an upper bound of global over-admission", m.fallback_admitted.clone());
+        r.register(
+            "live_sidecars",
+            "Live sidecars enforcing the policy, as seen by membership",
+            m.live_sidecars.clone(),
+        );
+        r.register(
+            "leased_keys",
+            "Keys with a local lease on this sidecar",
+            m.leased_keys.clone(),
+        );
+        m
+    }
+
+    pub fn redis_error(&self, kind: &'static str) {
+        self.redis_errors.get_or_create(&KindLabels { kind }).inc();
+    }
+
+    pub fn set_live(&self, policy: &str, n: u32) {
+        self.live_sidecars
+            .get_or_create(&PolicyLabels {
+                policy: policy.to_string(),
+            })
+            .set(i64::from(n));
+    }
+}
+
+/// Membership settings.
+#[derive(Clone, Debug)]
+pub struct Membership {
+    pub sidecar_id: String,
+    /// A sidecar that stops heartbeating drops out of the count after this long.
+    pub ttl: Duration,
+}
+
+/// The background sync: every interval (or earlier when a hot key runs low) return unused
+/// tokens, top up hot keys and renew membership, in one batch.
+pub async fn sync_loop(shared: Arc<Shared>, runtime: Arc<GlobalRuntime>, membership: Membership) {
+    let interval = runtime.settings.sync_interval;
+    // Early syncs triggered by low watermarks are spaced at least this far apart.
+    let min_spacing = (interval / 10).max(Duration::from_millis(5));
+    let mut last_heartbeat = None::<tokio::time::Instant>;
+    let mut was_open = false;
+    let mut last_round = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep_until(last_round + interval) => {}
+            _ = runtime.wake.notified() => {
+                let earliest = last_round + min_spacing;
+                if tokio::time::Instant::now() < earliest {
+                    tokio::time::sleep_until(earliest).await;
+                }
+            }
+        }
+        let elapsed = last_round.elapsed();
+        last_round = tokio::time::Instant::now();
+        let rules = shared.rules.load_full();
+        let globals: Vec<(&Arc<GlobalRule>, &tollgate_crd::CompiledRule)> = rules
+            .rules
+            .iter()
+            .filter_map(|r| r.global.as_ref().map(|g| (g, &r.rule)))
+            .collect();
+
+        let open = runtime.store.breaker.is_open();
+        if open {
+            runtime
+                .metrics
+                .fallback_seconds
+                .inc_by(elapsed.as_secs_f64());
+        }
+        if open != was_open {
+            runtime.metrics.breaker_open.set(i64::from(open));
+            if open {
+                tracing::warn!("redis unreachable: global rules follow their failure mode");
+            } else {
+                tracing::info!("redis reachable again: global rules back on leases");
+            }
+            was_open = open;
+        }
+        if globals.is_empty() {
+            continue;
+        }
+
+        // Heartbeat about once per second (and on the first round).
+        let heartbeat_due = last_heartbeat
+            .is_none_or(|t| t.elapsed() >= Duration::from_secs(1).min(membership.ttl / 3));
+        if let Some(members) = runtime.controller_members.load_full() {
+            for (g, rule) in &globals {
+                if let Some(n) = members.get(&g.policy_id) {
+                    let before = g.live_sidecars();
+                    g.set_live_sidecars(*n, Some(rule));
+                    runtime.metrics.set_live(&g.policy_id, *n);
+                    if before != (*n).max(1) {
+                        tracing::info!(policy = %g.policy_id, sidecars = *n, share = g.share(), "membership changed (controller); shares recomputed");
+                    }
+                }
+            }
+        } else if heartbeat_due && runtime.store.breaker.allow() {
+            let mut policies: Vec<String> =
+                globals.iter().map(|(g, _)| g.policy_id.clone()).collect();
+            policies.sort();
+            policies.dedup();
+            match runtime
+                .store
+                .heartbeat(
+                    &policies,
+                    &membership.sidecar_id,
+                    membership.ttl,
+                    true,
+                    runtime.settings.sync_timeout,
+                )
+                .await
+            {
+                Ok(counts) => {
+                    runtime.store.breaker.success();
+                    last_heartbeat = Some(tokio::time::Instant::now());
+                    for (policy, n) in policies.iter().zip(counts) {
+                        runtime.metrics.set_live(policy, n);
+                        for (g, rule) in &globals {
+                            if &g.policy_id == policy {
+                                let before = g.live_sidecars();
+                                g.set_live_sidecars(n, Some(rule));
+                                if before != n.max(1) {
+                                    tracing::info!(policy = %policy, sidecars = n, share = g.share(), "membership changed; shares recomputed");
+                                }
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    runtime.store.breaker.failure();
+                    runtime.metrics.redis_error(e.kind());
+                    tracing::debug!(error = %e, "membership heartbeat failed");
+                }
+            }
+        }
+
+        let now = shared.clock.now();
+        let mut plan = Vec::new();
+        let mut owners = Vec::new();
+        for (gi, (g, _)) in globals.iter().enumerate() {
+            let before = plan.len();
+            g.plan_sync(now, &mut plan);
+            owners.extend(std::iter::repeat_n(gi, plan.len() - before));
+        }
+        runtime
+            .metrics
+            .leased_keys
+            .set(globals.iter().map(|(g, _)| g.leased_keys() as i64).sum());
+        if plan.is_empty() {
+            continue;
+        }
+        let ops: Vec<store::LeaseOp> = plan.iter().map(|(_, op)| op.clone()).collect();
+        let result = if runtime.store.breaker.allow() {
+            runtime
+                .store
+                .lease_batch(&ops, runtime.settings.sync_timeout)
+                .await
+        } else {
+            Err(store::StoreError::BreakerOpen)
+        };
+        runtime.metrics.sync_rounds.inc();
+        let now = shared.clock.now();
+        match result {
+            Ok(replies) => {
+                for (((slot, op), reply), gi) in plan.iter().zip(&replies).zip(&owners) {
+                    let g = globals[*gi].0;
+                    g.finish_sync(slot, op, Some(reply), now);
+                    runtime.metrics.tokens_leased.inc_by(reply.granted);
+                    runtime.metrics.tokens_returned.inc_by(op.give_back);
+                }
+                for (g, _) in &globals {
+                    g.refresh_validity(now);
+                }
+            }
+            Err(e) => {
+                runtime.metrics.redis_error(e.kind());
+                tracing::debug!(error = %e, "lease sync failed");
+                for ((slot, op), gi) in plan.iter().zip(&owners) {
+                    globals[*gi].0.finish_sync(slot, op, None, now);
+                }
+            }
+        }
+    }
+}
+
+/// On shutdown: give every held token back and leave the membership, best effort.
+pub async fn leave(shared: &Shared, runtime: &GlobalRuntime, membership: &Membership) {
+    let rules = shared.rules.load_full();
+    let mut ops = Vec::new();
+    let mut policies = Vec::new();
+    for g in rules.rules.iter().filter_map(|r| r.global.as_ref()) {
+        ops.extend(g.drain_ops());
+        policies.push(g.policy_id.clone());
+    }
+    policies.sort();
+    policies.dedup();
+    let timeout = runtime.settings.sync_timeout;
+    let _ = runtime.store.lease_batch(&ops, timeout).await;
+    let _ = runtime
+        .store
+        .heartbeat(
+            &policies,
+            &membership.sidecar_id,
+            membership.ttl,
+            false,
+            timeout,
+        )
+        .await;
+}

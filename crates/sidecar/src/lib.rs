@@ -1,0 +1,16 @@
+//! tollgate-sidecar: a localhost reverse proxy in front of an application that matches
+//! requests against RateLimitPolicy rules, decides locally, and answers excess with a 429 that
+//! tells clients exactly how to back off.
+
+pub mod admin;
+pub mod app;
+pub mod audit;
+pub mod cli;
+pub mod config;
+pub mod controller;
+pub mod global;
+pub mod keys;
+pub mod metrics;
+pub mod proxy;
+pub mod response;
+pub mod rules;

@@ -1,0 +1,476 @@
+//! The reverse proxy: accept, decide, forward, answer.
+//!
+//! Bodies are streamed in both directions (never buffered), `Upgrade` (WebSocket) is passed
+//! through, hop-by-hop headers are dropped per RFC 9110 §7.6.1 and `X-Forwarded-For` gets the
+//! peer appended. Upstream failures map to 502 (connect) and 504 (timeout), never to 429.
+
+use std::cell::RefCell;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode, Uri};
+use http_body_util::Full;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tollgate_crd::compiled::{Mode, ResponseHeaders};
+use tollgate_limiter::{Clock, MonotonicClock, Permit};
+
+use crate::audit::AuditLog;
+use crate::metrics::Metrics;
+use crate::response;
+use crate::rules::{KeyHasher, RuleSet};
+
+/// Settings of the proxy path.
+#[derive(Clone, Debug)]
+pub struct ProxyConfig {
+    pub upstream: Uri,
+    pub upstream_timeout: Duration,
+    pub header_read_timeout: Duration,
+    pub max_header_bytes: usize,
+    pub shadow_header: bool,
+}
+
+/// State shared by every connection.
+pub struct Shared {
+    pub rules: ArcSwap<RuleSet>,
+    pub metrics: Metrics,
+    pub clock: MonotonicClock,
+    pub hasher: KeyHasher,
+    pub audit: AuditLog,
+    pub config: ProxyConfig,
+    /// True once a rule set has been loaded.
+    pub ready: AtomicBool,
+    /// The last configuration error, while the previous good rules stay in force.
+    pub config_error: ArcSwapOption<String>,
+    client: Client<HttpConnector, Incoming>,
+    upstream_scheme: http::uri::Scheme,
+    upstream_authority: http::uri::Authority,
+}
+
+impl Shared {
+    pub fn new(config: ProxyConfig, metrics: Metrics, audit: AuditLog) -> anyhow::Result<Shared> {
+        let scheme = config
+            .upstream
+            .scheme()
+            .cloned()
+            .unwrap_or(http::uri::Scheme::HTTP);
+        if scheme != http::uri::Scheme::HTTP {
+            anyhow::bail!(
+                "--upstream {}: only http:// upstreams are supported (the app is on localhost)",
+                config.upstream
+            );
+        }
+        let authority =
+            config.upstream.authority().cloned().ok_or_else(|| {
+                anyhow::anyhow!("--upstream {} has no host:port", config.upstream)
+            })?;
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
+            .build(connector);
+        Ok(Shared {
+            rules: ArcSwap::from_pointee(RuleSet::empty()),
+            metrics,
+            clock: MonotonicClock::new(),
+            hasher: KeyHasher::random(),
+            audit,
+            config,
+            ready: AtomicBool::new(false),
+            config_error: ArcSwapOption::empty(),
+            client,
+            upstream_scheme: scheme,
+            upstream_authority: authority,
+        })
+    }
+}
+
+/// Accepts connections until `shutdown` resolves, then drains in-flight requests for up to
+/// `drain`.
+pub async fn serve(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    shutdown: impl std::future::Future<Output = ()>,
+    drain: Duration,
+) {
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(shared.config.header_read_timeout)
+        .max_buf_size(shared.config.max_header_bytes.max(8192))
+        .keep_alive(true);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(shared.config.max_header_bytes as u32);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let head_timeout = shared.config.header_read_timeout;
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, peer) = match accepted {
+                    Ok(x) => x,
+                    Err(e) => {
+                        // Out of file descriptors and similar: back off instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let shared = Arc::clone(&shared);
+                let service = hyper::service::service_fn(move |req| {
+                    let shared = Arc::clone(&shared);
+                    async move { Ok::<_, Infallible>(handle(shared, peer, req).await) }
+                });
+                let builder = builder.clone();
+                let watcher = graceful.watcher();
+                tokio::spawn(async move {
+                    // hyper-util reads the first bytes (to tell HTTP/1 from HTTP/2) before the
+                    // HTTP/1 header timer starts: bound that phase too, or a client that sends
+                    // nothing holds the connection forever.
+                    match tokio::time::timeout(head_timeout, protocol_known(&stream)).await {
+                        Ok(true) => {}
+                        _ => {
+                            tracing::debug!(%peer, "client sent no request in time; closing");
+                            return;
+                        }
+                    }
+                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                    if let Err(e) = watcher.watch(conn.into_owned()).await {
+                        tracing::debug!(error = %e, %peer, "connection ended with an error");
+                    }
+                });
+            }
+            () = &mut shutdown => break,
+        }
+    }
+    drop(listener);
+    if tokio::time::timeout(drain, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(?drain, "drain timed out; closing remaining connections");
+    }
+}
+
+/// The HTTP/2 connection preface, which hyper-util's protocol detection waits for.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Waits until the client has sent enough to tell HTTP/1 from HTTP/2 (a byte that does not
+/// continue the HTTP/2 preface, or the whole preface). False if it closed first.
+async fn protocol_known(stream: &tokio::net::TcpStream) -> bool {
+    let mut buf = [0u8; H2_PREFACE.len()];
+    loop {
+        match stream.peek(&mut buf).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) if n == buf.len() || buf[..n] != H2_PREFACE[..n] => return true,
+            // A partial preface: peek returns at once while no new bytes arrive, so poll.
+            Ok(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+        }
+    }
+}
+
+thread_local! {
+    /// Reused key buffer: building a counter key allocates only while the buffer grows.
+    static KEY_BUF: RefCell<Vec<u8>> = RefCell::new(Vec::with_capacity(256));
+}
+
+/// Handles one request end to end.
+pub async fn handle(
+    shared: Arc<Shared>,
+    peer: SocketAddr,
+    req: Request<Incoming>,
+) -> Response<ProxyBody> {
+    let rules = shared.rules.load_full();
+    let started = shared.clock.now();
+    let (parts, body) = req.into_parts();
+    let mut verdict = KEY_BUF.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        rules.decide(&parts, &peer, started, &mut buf, &shared.hasher)
+    });
+    if !verdict.pending.is_empty() && verdict.rejected.is_none() && verdict.unavailable.is_none() {
+        // Cold or dry global keys: one bounded round trip, then the same accounting.
+        rules.resolve_pending(&mut verdict, started).await;
+    }
+    let mut req = Request::from_parts(parts, body);
+    let decided = shared.clock.now();
+    shared
+        .metrics
+        .decision_seconds
+        .observe(decided.saturating_sub(started) as f64 / 1e9);
+
+    if let Some(ri) = verdict.unavailable {
+        let rule = &rules.rules[ri];
+        let mut resp = response::problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Rate limiter unavailable",
+            &format!(
+                "Rule {:?} fails closed and its shared counter store is unreachable; retry shortly.",
+                rule.rule.name
+            ),
+        );
+        resp.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        return local(resp);
+    }
+    if let Some(limited) = &verdict.rejected {
+        let rule = &rules.rules[limited.rule];
+        shared.audit.rejected(rule, limited, &shared.metrics);
+        return local(response::too_many_requests(
+            rule,
+            &limited.decision,
+            limited.key_hash,
+        ));
+    }
+    if verdict.delay > 0 {
+        tokio::time::sleep(Duration::from_nanos(verdict.delay)).await;
+    }
+
+    let inbound_upgrade = is_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
+    let upstream_req = match to_upstream(req, &peer, &shared) {
+        Ok(r) => r,
+        Err(resp) => return local(resp),
+    };
+    let t0 = shared.clock.now();
+    let result = tokio::time::timeout(
+        shared.config.upstream_timeout,
+        shared.client.request(upstream_req),
+    )
+    .await;
+    shared
+        .metrics
+        .upstream_seconds
+        .observe(shared.clock.now().saturating_sub(t0) as f64 / 1e9);
+    let mut resp = match result {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(e)) => {
+            shared.metrics.upstream_error("connect");
+            tracing::warn!(error = %e, upstream = %shared.config.upstream, "upstream request failed");
+            return local(response::problem(
+                StatusCode::BAD_GATEWAY,
+                "Bad Gateway",
+                "The application behind the rate limiter could not be reached.",
+            ));
+        }
+        Err(_) => {
+            shared.metrics.upstream_error("timeout");
+            return local(response::problem(
+                StatusCode::GATEWAY_TIMEOUT,
+                "Gateway Timeout",
+                "The application behind the rate limiter did not answer in time.",
+            ));
+        }
+    };
+
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        if let Some(inbound) = inbound_upgrade {
+            let outbound = hyper::upgrade::on(&mut resp);
+            tokio::spawn(async move {
+                match (inbound.await, outbound.await) {
+                    (Ok(client), Ok(app)) => {
+                        let mut client = TokioIo::new(client);
+                        let mut app = TokioIo::new(app);
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut app).await;
+                    }
+                    (Err(e), _) | (_, Err(e)) => tracing::debug!(error = %e, "upgrade failed"),
+                }
+            });
+        }
+    } else {
+        strip_hop_by_hop(resp.headers_mut());
+    }
+
+    let headers = resp.headers_mut();
+    if let Some(t) = &verdict.tightest {
+        let rule = &rules.rules[t.rule];
+        if rules.policies[rule.policy].compiled.response_headers == ResponseHeaders::All
+            && rule.rule.mode == Mode::Enforce
+        {
+            response::add_ratelimit_headers(headers, rule, &t.decision);
+        }
+    }
+    if verdict.shadow_rejections > 0 && shared.config.shadow_header {
+        headers.insert(
+            response::SHADOW_HEADER.clone(),
+            HeaderValue::from(verdict.shadow_rejections),
+        );
+    }
+    resp.map(|body| ProxyBody::Upstream {
+        body,
+        permits: verdict.permits,
+    })
+}
+
+fn is_upgrade(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::UPGRADE)
+        && headers.get_all(header::CONNECTION).iter().any(|v| {
+            v.to_str().is_ok_and(|s| {
+                s.split(',')
+                    .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+            })
+        })
+}
+
+/// Turns the inbound request into the upstream request.
+#[allow(clippy::result_large_err)]
+fn to_upstream(
+    req: Request<Incoming>,
+    peer: &SocketAddr,
+    shared: &Shared,
+) -> Result<Request<Incoming>, Response<Bytes>> {
+    let (mut parts, body) = req.into_parts();
+    let upgrade = is_upgrade(&parts.headers);
+    let upgrade_proto = parts.headers.get(header::UPGRADE).cloned();
+    let path_and_query = parts
+        .uri
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+    if parts.headers.get(header::HOST).is_none()
+        && let Some(auth) = parts.uri.authority()
+        && let Ok(v) = HeaderValue::from_str(auth.as_str())
+    {
+        parts.headers.insert(header::HOST, v);
+    }
+    parts.uri = Uri::builder()
+        .scheme(shared.upstream_scheme.clone())
+        .authority(shared.upstream_authority.clone())
+        .path_and_query(path_and_query)
+        .build()
+        .map_err(|_| {
+            response::problem(
+                StatusCode::BAD_REQUEST,
+                "Bad Request",
+                "Invalid request target.",
+            )
+        })?;
+    // The upstream connection is always HTTP/1.1, whatever the client spoke.
+    parts.version = http::Version::HTTP_11;
+    strip_hop_by_hop(&mut parts.headers);
+    if upgrade && let Some(proto) = upgrade_proto {
+        parts.headers.insert(header::UPGRADE, proto);
+        parts
+            .headers
+            .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    }
+    append_forwarded_for(&mut parts.headers, peer);
+    Ok(Request::from_parts(parts, body))
+}
+
+static HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// Removes hop-by-hop headers, including any named in `Connection`.
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|s| s.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in &HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+fn append_forwarded_for(headers: &mut HeaderMap, peer: &SocketAddr) {
+    let ip = peer.ip().to_string();
+    let mut combined = String::new();
+    for v in headers.get_all("x-forwarded-for") {
+        if let Ok(s) = v.to_str() {
+            if !combined.is_empty() {
+                combined.push_str(", ");
+            }
+            combined.push_str(s);
+        }
+    }
+    if !combined.is_empty() {
+        combined.push_str(", ");
+    }
+    combined.push_str(&ip);
+    if let Ok(v) = HeaderValue::from_str(&combined) {
+        headers.insert(HeaderName::from_static("x-forwarded-for"), v);
+    }
+}
+
+fn local(resp: Response<Bytes>) -> Response<ProxyBody> {
+    resp.map(|b| ProxyBody::Local { body: Full::new(b) })
+}
+
+pin_project_lite::pin_project! {
+    /// The response body: streamed from the upstream (holding the request's concurrency permits
+    /// until it completes or the client goes away) or generated here.
+    #[project = ProxyBodyProj]
+    pub enum ProxyBody {
+        Upstream { #[pin] body: Incoming, permits: Vec<Permit> },
+        Local { #[pin] body: Full<Bytes> },
+    }
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.project() {
+            ProxyBodyProj::Upstream { body, .. } => body.poll_frame(cx),
+            ProxyBodyProj::Local { body } => match body.poll_frame(cx) {
+                Poll::Ready(Some(Ok(f))) => Poll::Ready(Some(Ok(f))),
+                Poll::Ready(Some(Err(never))) => match never {},
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ProxyBody::Upstream { body, .. } => body.is_end_stream(),
+            ProxyBody::Local { body } => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ProxyBody::Upstream { body, .. } => body.size_hint(),
+            ProxyBody::Local { body } => body.size_hint(),
+        }
+    }
+}
+
+/// Whether the readiness probe should pass.
+pub fn is_ready(shared: &Shared) -> bool {
+    shared.ready.load(Ordering::Acquire)
+}

@@ -1,0 +1,142 @@
+//! The response contract: the 429 and the RateLimit headers on every response.
+//!
+//! - `Retry-After`: whole seconds, never earlier than the limiter says, plus a jitter derived
+//!   from the client's key so that clients rejected together do not all return together.
+//! - `RateLimit-Limit` / `-Remaining` / `-Reset`: the widely read names.
+//! - `RateLimit-Policy: "<rule>";q=<n>;w=<secs>` and `RateLimit: "<rule>";r=<n>;t=<secs>`: the
+//!   IETF httpapi draft fields.
+//! - The body is RFC 9457 `application/problem+json` naming the rule and the limit.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+use tollgate_crd::compiled::CompiledRule;
+use tollgate_limiter::{Decision, NEVER, Nanos};
+
+use crate::rules::ActiveRule;
+
+pub static RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("ratelimit-limit");
+pub static RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("ratelimit-remaining");
+pub static RATELIMIT_RESET: HeaderName = HeaderName::from_static("ratelimit-reset");
+pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+pub static SHADOW_HEADER: HeaderName = HeaderName::from_static("tollgate-shadow-rejected");
+
+const NANOS_PER_SEC: Nanos = 1_000_000_000;
+/// Longest Retry-After we advertise for a request that can never fit (cost above capacity).
+const MAX_RETRY_AFTER_SECS: u64 = 24 * 60 * 60;
+
+/// Whole seconds, rounded up, at least `min`.
+fn ceil_secs(n: Nanos, min: u64) -> u64 {
+    if n == NEVER {
+        return MAX_RETRY_AFTER_SECS;
+    }
+    n.div_ceil(NANOS_PER_SEC).clamp(min, MAX_RETRY_AFTER_SECS)
+}
+
+/// `Retry-After` seconds: the limiter's wait rounded up, plus up to 20 % (at least one second
+/// of spread) chosen by the key hash. Deterministic per client, spread across clients.
+pub fn retry_after_secs(retry_after: Nanos, key_hash: u64) -> u64 {
+    let base = ceil_secs(retry_after, 1);
+    let spread = (base / 5).max(1);
+    (base + key_hash % (spread + 1)).min(MAX_RETRY_AFTER_SECS)
+}
+
+/// Adds the RateLimit header set for one rule's decision.
+pub fn add_ratelimit_headers(headers: &mut HeaderMap, rule: &ActiveRule, d: &Decision) {
+    let reset = ceil_secs(d.reset, 0);
+    headers.insert(RATELIMIT_LIMIT.clone(), HeaderValue::from(d.limit));
+    headers.insert(RATELIMIT_REMAINING.clone(), HeaderValue::from(d.remaining));
+    headers.insert(RATELIMIT_RESET.clone(), HeaderValue::from(reset));
+    headers.insert(RATELIMIT_POLICY.clone(), rule.policy_item.clone());
+    if let Ok(v) = HeaderValue::from_str(&format!(
+        "\"{}\";r={};t={}",
+        rule.rule.name, d.remaining, reset
+    )) {
+        headers.insert(RATELIMIT.clone(), v);
+    }
+}
+
+/// The 429 for a rejected request.
+pub fn too_many_requests(rule: &ActiveRule, d: &Decision, key_hash: u64) -> Response<Bytes> {
+    let retry = retry_after_secs(d.retry_after, key_hash);
+    let body = serde_json::json!({
+        "type": "https://tollgate.dev/problems/rate-limited",
+        "title": "Rate limit exceeded",
+        "status": 429,
+        "detail": format!("Rule {:?} allows {}; retry after {retry} s.", rule.rule.name, limit_words(&rule.rule)),
+        "rule": rule.rule.name,
+        "policy": rule.rule.id.rsplit_once('/').map(|(p, _)| p).unwrap_or_default(),
+        "limit": rule.rule.limit.requests,
+        "windowSeconds": rule.rule.limit.period_ms.div_ceil(1000),
+        "retryAfterSeconds": retry,
+    });
+    let mut resp = Response::new(Bytes::from(body.to_string()));
+    *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+    let h = resp.headers_mut();
+    h.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    h.insert(http::header::RETRY_AFTER, HeaderValue::from(retry));
+    h.insert(
+        http::header::CACHE_CONTROL,
+        HeaderValue::from_static("no-store"),
+    );
+    add_ratelimit_headers(h, rule, d);
+    resp
+}
+
+/// A problem+json response for errors the sidecar itself produces (502, 504, 400).
+pub fn problem(status: StatusCode, title: &str, detail: &str) -> Response<Bytes> {
+    let body = serde_json::json!({
+        "type": "about:blank",
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    let mut resp = Response::new(Bytes::from(body.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    resp
+}
+
+/// "100 requests per minute" style wording for the problem detail.
+fn limit_words(rule: &CompiledRule) -> String {
+    let l = &rule.limit;
+    if l.period_ms == 0 {
+        return format!("{} requests in flight", l.requests);
+    }
+    let period = match l.period_ms {
+        1_000 => "second".to_string(),
+        60_000 => "minute".to_string(),
+        3_600_000 => "hour".to_string(),
+        ms => tollgate_crd::duration::format(std::time::Duration::from_millis(ms)),
+    };
+    format!("{} requests per {period}", l.requests)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_never_undercuts_the_limiter() {
+        for hash in 0..1000u64 {
+            let r = retry_after_secs(12 * NANOS_PER_SEC - 5, hash);
+            assert!((12..=14).contains(&r), "{r}");
+        }
+        assert_eq!(retry_after_secs(1, 0), 1);
+        assert_eq!(retry_after_secs(NEVER, 7), MAX_RETRY_AFTER_SECS);
+    }
+
+    #[test]
+    fn retry_after_spreads_clients() {
+        let distinct: std::collections::HashSet<u64> = (0..100u64)
+            .map(|h| retry_after_secs(60 * NANOS_PER_SEC, h))
+            .collect();
+        assert!(distinct.len() >= 10, "{distinct:?}");
+    }
+}

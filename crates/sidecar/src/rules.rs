@@ -1,0 +1,536 @@
+//! The rule set in force: compiled policies turned into matchers and limiters, and the
+//! per-request decision over them.
+//!
+//! A [`RuleSet`] is immutable; a reload builds a new one and swaps it in atomically, so every
+//! request sees either the old or the new rules, never a mix. Limiter state is carried over for
+//! rules whose identity and limit did not change, so a reload does not hand every client a fresh
+//! bucket.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http::request::Parts;
+use http::{HeaderName, HeaderValue};
+use tollgate_crd::compiled::*;
+use tollgate_limiter::{self as limiter, KeyedLimiter, Nanos, Permit, Quota, StoreConfig};
+
+use crate::global::{GlobalRule, GlobalRuntime, LocalOutcome};
+use crate::keys::{self, PartValue};
+use crate::metrics::{Metrics, RuleMetrics};
+
+/// A rule ready to evaluate.
+pub struct ActiveRule {
+    pub rule: CompiledRule,
+    /// Index into [`RuleSet::policies`].
+    pub policy: usize,
+    matcher: Matcher,
+    pub limiter: Arc<KeyedLimiter>,
+    /// Set for `scope: Global` rules when Redis is configured.
+    pub global: Option<Arc<GlobalRule>>,
+    pub metrics: RuleMetrics,
+    /// Precomputed `RateLimit-Policy` item: `"name";q=100;w=60`.
+    pub policy_item: HeaderValue,
+}
+
+/// Per-policy settings evaluated once per request.
+pub struct PolicyRuntime {
+    pub compiled: CompiledPolicy,
+    pub id: String,
+}
+
+/// An immutable snapshot of everything being enforced.
+pub struct RuleSet {
+    pub version: u64,
+    pub policies: Vec<PolicyRuntime>,
+    pub rules: Vec<ActiveRule>,
+    /// Global rules enforced locally because no Redis is configured (standalone mode).
+    pub local_fallback_rules: Vec<String>,
+}
+
+impl RuleSet {
+    /// An empty rule set: every request passes.
+    pub fn empty() -> Self {
+        RuleSet {
+            version: 0,
+            policies: Vec::new(),
+            rules: Vec::new(),
+            local_fallback_rules: Vec::new(),
+        }
+    }
+
+    /// Builds a rule set, reusing the limiters (and so the counters) of `previous` for rules
+    /// whose id and quota are unchanged.
+    pub fn build(
+        version: u64,
+        policies: Vec<CompiledPolicy>,
+        previous: Option<&RuleSet>,
+        store: &StoreConfig,
+        metrics: &Metrics,
+        global: Option<&Arc<GlobalRuntime>>,
+    ) -> Result<RuleSet, String> {
+        let mut reuse: HashMap<(&str, Quota), &Arc<KeyedLimiter>> = HashMap::new();
+        if let Some(prev) = previous {
+            for r in &prev.rules {
+                reuse.insert((r.rule.id.as_str(), *r.limiter.quota()), &r.limiter);
+            }
+        }
+        let mut rules = Vec::new();
+        let mut runtimes = Vec::new();
+        let mut local_fallback_rules = Vec::new();
+        for (pi, policy) in policies.into_iter().enumerate() {
+            let policy_id = policy.id();
+            for rule in &policy.rules {
+                let quota =
+                    quota_for(&rule.limit).map_err(|e| format!("{}: limit: {e}", rule.id))?;
+                let limiter = match reuse.get(&(rule.id.as_str(), quota)) {
+                    Some(l) => Arc::clone(l),
+                    None => Arc::new(KeyedLimiter::new(quota, *store)),
+                };
+                let global_rule = match (rule.scope, global) {
+                    (Scope::Global, Some(rt)) => {
+                        let kept = previous.and_then(|p| {
+                            p.rules
+                                .iter()
+                                .filter_map(|r| r.global.as_ref())
+                                .find(|g| g.same_bucket(rule))
+                        });
+                        Some(match kept {
+                            Some(g) => Arc::clone(g),
+                            None => {
+                                Arc::new(GlobalRule::new(rule, &policy_id, Arc::clone(rt), *store)?)
+                            }
+                        })
+                    }
+                    (Scope::Global, None) => {
+                        local_fallback_rules.push(rule.id.clone());
+                        None
+                    }
+                    (Scope::Local, _) => None,
+                };
+                let window_secs = rule.limit.period_ms.div_ceil(1000).max(1);
+                let policy_item = HeaderValue::from_str(&format!(
+                    "\"{}\";q={};w={}",
+                    rule.name, rule.limit.requests, window_secs
+                ))
+                .map_err(|e| format!("{}: {e}", rule.id))?;
+                rules.push(ActiveRule {
+                    matcher: Matcher::new(&rule.matches)
+                        .map_err(|e| format!("{}: match: {e}", rule.id))?,
+                    metrics: metrics.rule(&policy_id, &rule.name),
+                    rule: rule.clone(),
+                    policy: pi,
+                    limiter,
+                    global: global_rule,
+                    policy_item,
+                });
+            }
+            runtimes.push(PolicyRuntime {
+                id: policy_id,
+                compiled: policy,
+            });
+        }
+        Ok(RuleSet {
+            version,
+            policies: runtimes,
+            rules,
+            local_fallback_rules,
+        })
+    }
+
+    /// Drops idle keys from every limiter; returns how many were removed.
+    pub fn evict_idle(&self, now: Nanos) -> usize {
+        self.rules.iter().map(|r| r.limiter.evict_idle(now)).sum()
+    }
+
+    /// Number of live keys across all limiters.
+    pub fn active_keys(&self) -> usize {
+        self.rules.iter().map(|r| r.limiter.len()).sum()
+    }
+}
+
+/// Translates a compiled limit into the engine's quota.
+pub fn quota_for(l: &CompiledLimit) -> Result<Quota, limiter::QuotaError> {
+    const MS: Nanos = 1_000_000;
+    let algorithm = match l.algorithm {
+        Algorithm::TokenBucket => limiter::Algorithm::TokenBucket,
+        Algorithm::SlidingWindow => limiter::Algorithm::SlidingWindow,
+        Algorithm::FixedWindow => limiter::Algorithm::FixedWindow,
+        Algorithm::SlidingLog => limiter::Algorithm::SlidingLog,
+        Algorithm::LeakyBucket => limiter::Algorithm::LeakyBucket,
+        Algorithm::Concurrency => limiter::Algorithm::Concurrency,
+    };
+    // Concurrency has no period; one second is only the Retry-After hint.
+    let period = if l.period_ms == 0 {
+        1_000 * MS
+    } else {
+        l.period_ms * MS
+    };
+    // A leaky bucket passes no bursts: every request beyond the drain rate is delayed.
+    let burst = match l.algorithm {
+        Algorithm::TokenBucket => l.burst,
+        Algorithm::LeakyBucket => 1,
+        _ => l.requests,
+    };
+    Quota::new(algorithm, l.requests, period, burst, l.max_delay_ms * MS)
+}
+
+/// Request conditions compiled for evaluation.
+struct Matcher {
+    /// Bit per method in [`method_bit`]; 0 means any method.
+    methods: u16,
+    path: Option<PathMatcher>,
+    headers: Vec<(HeaderName, ValueMatcher)>,
+}
+
+enum PathMatcher {
+    Exact(String),
+    Prefix(String),
+    Regex(regex::Regex),
+}
+
+enum ValueMatcher {
+    Present,
+    Exact(HeaderValue),
+    Regex(regex::Regex),
+}
+
+fn method_bit(m: &http::Method) -> u16 {
+    match *m {
+        http::Method::GET => 1,
+        http::Method::HEAD => 1 << 1,
+        http::Method::POST => 1 << 2,
+        http::Method::PUT => 1 << 3,
+        http::Method::PATCH => 1 << 4,
+        http::Method::DELETE => 1 << 5,
+        http::Method::OPTIONS => 1 << 6,
+        http::Method::CONNECT => 1 << 7,
+        http::Method::TRACE => 1 << 8,
+        _ => 1 << 15,
+    }
+}
+
+impl Matcher {
+    fn new(m: &CompiledMatch) -> Result<Matcher, String> {
+        let methods = m.methods.iter().fold(0u16, |acc, method| {
+            acc | method_bit(
+                &http::Method::from_bytes(method.as_str().as_bytes()).unwrap_or_default(),
+            )
+        });
+        let path = match &m.path {
+            None => None,
+            Some(PathCondition::Exact(p)) => Some(PathMatcher::Exact(p.clone())),
+            Some(PathCondition::Prefix(p)) => Some(PathMatcher::Prefix(p.clone())),
+            Some(PathCondition::Regex(r)) => Some(PathMatcher::Regex(
+                full_match_regex(r).map_err(|e| e.to_string())?,
+            )),
+        };
+        let headers = m
+            .headers
+            .iter()
+            .map(|h| {
+                let name = HeaderName::from_bytes(h.name.as_bytes()).map_err(|e| e.to_string())?;
+                let value = match &h.value {
+                    HeaderValueMatch::Present => ValueMatcher::Present,
+                    HeaderValueMatch::Exact(v) => {
+                        ValueMatcher::Exact(HeaderValue::from_str(v).map_err(|e| e.to_string())?)
+                    }
+                    HeaderValueMatch::Regex(r) => {
+                        ValueMatcher::Regex(full_match_regex(r).map_err(|e| e.to_string())?)
+                    }
+                };
+                Ok((name, value))
+            })
+            .collect::<Result<_, String>>()?;
+        Ok(Matcher {
+            methods,
+            path,
+            headers,
+        })
+    }
+
+    fn matches(&self, parts: &Parts) -> bool {
+        if self.methods != 0 && self.methods & method_bit(&parts.method) == 0 {
+            return false;
+        }
+        if let Some(p) = &self.path {
+            let path = parts.uri.path();
+            let ok = match p {
+                PathMatcher::Exact(e) => path == e,
+                PathMatcher::Prefix(pre) => {
+                    pre == "/"
+                        || (path.starts_with(pre.as_str())
+                            && matches!(path.as_bytes().get(pre.len()), None | Some(b'/')))
+                }
+                PathMatcher::Regex(r) => r.is_match(path),
+            };
+            if !ok {
+                return false;
+            }
+        }
+        self.headers.iter().all(|(name, m)| {
+            let mut values = parts.headers.get_all(name).iter();
+            match m {
+                ValueMatcher::Present => values.next().is_some(),
+                ValueMatcher::Exact(v) => values.any(|x| x == v),
+                ValueMatcher::Regex(r) => values.any(|x| x.to_str().is_ok_and(|s| r.is_match(s))),
+            }
+        })
+    }
+}
+
+/// The outcome of evaluating every rule for one request.
+#[derive(Default)]
+pub struct Verdict {
+    /// The enforcing rule that rejected the request and its decision.
+    pub rejected: Option<Limited>,
+    /// For admitted requests: the rule closest to its limit, for the RateLimit headers.
+    pub tightest: Option<Limited>,
+    /// Shadow rules that would have rejected the request.
+    pub shadow_rejections: u32,
+    /// Concurrency permits to hold until the response completes.
+    pub permits: Vec<Permit>,
+    /// Leaky-bucket shaping: hold the request this long before forwarding.
+    pub delay: Nanos,
+    /// Global rules that need a Redis round trip before the request can be decided.
+    pub pending: Vec<Pending>,
+    /// A fail-closed global rule while Redis is unreachable: answer 503.
+    pub unavailable: Option<usize>,
+}
+
+/// A global rule whose decision needs a round trip.
+pub struct Pending {
+    pub rule: usize,
+    pub key: Vec<u8>,
+    pub cost: u64,
+    pub key_hash: u64,
+}
+
+/// A rule's decision for one request.
+pub struct Limited {
+    pub rule: usize,
+    pub decision: limiter::Decision,
+    /// Hash of the counter key, for jitter and the audit log (never the raw key).
+    pub key_hash: u64,
+}
+
+impl RuleSet {
+    /// Evaluates every matching rule. Stops at the first enforcing rule that rejects, so a
+    /// rejected request spends no tokens of the rules after it and costs less than an admitted one.
+    pub fn decide(
+        &self,
+        parts: &Parts,
+        peer: &SocketAddr,
+        now: Nanos,
+        key_buf: &mut Vec<u8>,
+        hasher: &KeyHasher,
+    ) -> Verdict {
+        let mut verdict = Verdict::default();
+        let mut bypassed_policy: Option<(usize, bool)> = None;
+        for (ri, active) in self.rules.iter().enumerate() {
+            let policy = &self.policies[active.policy].compiled;
+            // Bypass CIDRs are evaluated once per policy.
+            let bypass = match bypassed_policy {
+                Some((pi, b)) if pi == active.policy => b,
+                _ => {
+                    let b = !policy.bypass.cidrs.is_empty()
+                        && keys::client_ip(parts, peer, policy.bypass.trusted_hops)
+                            .ip()
+                            .is_some_and(|ip| policy.bypass.cidrs.iter().any(|n| n.contains(&ip)));
+                    bypassed_policy = Some((active.policy, b));
+                    b
+                }
+            };
+            if bypass {
+                active.metrics.bypassed.inc();
+                continue;
+            }
+            if !active.matcher.matches(parts) {
+                continue;
+            }
+            key_buf.clear();
+            let mut skip = false;
+            for source in &active.rule.key {
+                let value = keys::extract(source, parts, peer);
+                if value.is_bypass_key(&policy.bypass.keys) {
+                    skip = true;
+                    active.metrics.bypassed.inc();
+                    break;
+                }
+                if matches!(value, PartValue::Missing)
+                    && active.rule.on_missing_key == MissingKey::Skip
+                {
+                    skip = true;
+                    break;
+                }
+                value.append_to(key_buf);
+            }
+            if skip {
+                continue;
+            }
+            let cost = request_cost(&active.rule.cost, parts);
+            let key_hash = hasher.hash(key_buf);
+            let decision = if let Some(g) = &active.global {
+                let (field, _) = g.field_for(key_buf);
+                match g.try_local(&field, key_buf, now, cost) {
+                    LocalOutcome::Decided(d) => d,
+                    LocalOutcome::NeedRemote => {
+                        verdict.pending.push(Pending {
+                            rule: ri,
+                            key: key_buf.clone(),
+                            cost,
+                            key_hash,
+                        });
+                        continue;
+                    }
+                    LocalOutcome::Unavailable => {
+                        if self.unavailable(&mut verdict, ri) {
+                            return verdict;
+                        }
+                        continue;
+                    }
+                }
+            } else if active.rule.limit.algorithm == Algorithm::Concurrency {
+                match active.limiter.acquire_permit(key_buf, now, cost) {
+                    Ok(permit) => {
+                        verdict.permits.push(permit);
+                        concurrency_allowed(&active.rule.limit)
+                    }
+                    Err(d) => d,
+                }
+            } else {
+                active.limiter.check(key_buf, now, cost)
+            };
+            if self.account(&mut verdict, ri, decision, key_hash) {
+                return verdict;
+            }
+        }
+        verdict
+    }
+
+    /// Records one rule's decision; returns true when the request is rejected (stop evaluating).
+    pub fn account(
+        &self,
+        verdict: &mut Verdict,
+        ri: usize,
+        decision: limiter::Decision,
+        key_hash: u64,
+    ) -> bool {
+        let active = &self.rules[ri];
+        if decision.allowed {
+            active.metrics.allowed.inc();
+            verdict.delay = verdict.delay.max(decision.delay);
+            let tighter = verdict.tightest.as_ref().is_none_or(|t| {
+                // Compare remaining/limit without division.
+                u128::from(decision.remaining) * u128::from(t.decision.limit.max(1))
+                    < u128::from(t.decision.remaining) * u128::from(decision.limit.max(1))
+            });
+            if tighter {
+                verdict.tightest = Some(Limited {
+                    rule: ri,
+                    decision,
+                    key_hash,
+                });
+            }
+            false
+        } else if active.rule.mode == Mode::Shadow {
+            active.metrics.shadow_rejected.inc();
+            verdict.shadow_rejections += 1;
+            false
+        } else {
+            active.metrics.rejected.inc();
+            verdict.rejected = Some(Limited {
+                rule: ri,
+                decision,
+                key_hash,
+            });
+            verdict.permits.clear();
+            true
+        }
+    }
+
+    /// A fail-closed rule with Redis unreachable; returns true when the request must stop.
+    pub fn unavailable(&self, verdict: &mut Verdict, ri: usize) -> bool {
+        let active = &self.rules[ri];
+        if active.rule.mode == Mode::Shadow {
+            active.metrics.shadow_rejected.inc();
+            verdict.shadow_rejections += 1;
+            return false;
+        }
+        active.metrics.unavailable.inc();
+        verdict.unavailable = Some(ri);
+        verdict.permits.clear();
+        true
+    }
+
+    /// Resolves the round trips a verdict is waiting for.
+    pub async fn resolve_pending(&self, verdict: &mut Verdict, now: Nanos) {
+        let pending = std::mem::take(&mut verdict.pending);
+        for p in pending {
+            let Some(g) = &self.rules[p.rule].global else {
+                continue;
+            };
+            let stop = match g.acquire_remote(p.key, now, p.cost).await {
+                LocalOutcome::Decided(d) => self.account(verdict, p.rule, d, p.key_hash),
+                LocalOutcome::Unavailable => self.unavailable(verdict, p.rule),
+                LocalOutcome::NeedRemote => false,
+            };
+            if stop {
+                return;
+            }
+        }
+    }
+}
+
+/// Concurrency permits report no remaining count of their own; advertise the cap.
+fn concurrency_allowed(l: &CompiledLimit) -> limiter::Decision {
+    limiter::Decision {
+        allowed: true,
+        limit: l.requests,
+        remaining: l.requests,
+        reset: 0,
+        retry_after: 0,
+        delay: 0,
+    }
+}
+
+/// Tokens this request spends: the header value when present and numeric, clamped to
+/// `[1, max]`; otherwise the fixed amount.
+fn request_cost(cost: &CompiledCost, parts: &Parts) -> u64 {
+    let from_header = cost
+        .header
+        .as_deref()
+        .and_then(|h| parts.headers.get(h))
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.trim().parse::<u64>().ok());
+    match from_header {
+        Some(n) => n.clamp(1, u64::from(cost.max)),
+        None => u64::from(cost.amount),
+    }
+}
+
+/// Keyed hash of counter keys for logs and jitter: stable within a process, not reversible,
+/// and not predictable by clients (random key per process).
+pub struct KeyHasher(siphasher::sip::SipHasher13);
+
+impl KeyHasher {
+    pub fn random() -> Self {
+        use std::hash::{BuildHasher, Hasher};
+        let rs = std::collections::hash_map::RandomState::new();
+        let mut a = rs.build_hasher();
+        a.write_u8(1);
+        let mut b = rs.build_hasher();
+        b.write_u8(2);
+        KeyHasher(siphasher::sip::SipHasher13::new_with_keys(
+            a.finish(),
+            b.finish(),
+        ))
+    }
+
+    pub fn hash(&self, key: &[u8]) -> u64 {
+        use std::hash::Hasher;
+        let mut h = self.0;
+        h.write(key);
+        h.finish()
+    }
+}

@@ -1,0 +1,300 @@
+//! Controller mode against an in-test rule stream speaking the documented protocol: snapshots
+//! applied atomically, acks, bearer token, last-known-good rules while the controller is away,
+//! and resume with `since`/`epoch` after a reconnect.
+
+mod common;
+
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+/// What the fake controller saw.
+#[derive(Default)]
+struct Seen {
+    watches: Vec<String>,
+    acks: Vec<serde_json::Value>,
+    unauthorized: usize,
+}
+
+/// A fake controller: every watch gets the lines pushed through `lines` (one subscriber at a time).
+struct FakeController {
+    port: u16,
+    seen: Arc<Mutex<Seen>>,
+    lines: Arc<Mutex<Option<mpsc::UnboundedSender<String>>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FakeController {
+    async fn start(port: u16, first: Vec<String>) -> FakeController {
+        let listener = TcpListener::bind(("127.0.0.1", port))
+            .await
+            .expect("bind fake controller");
+        let port = listener.local_addr().expect("addr").port();
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let lines: Arc<Mutex<Option<mpsc::UnboundedSender<String>>>> = Arc::new(Mutex::new(None));
+        let (seen2, lines2) = (seen.clone(), lines.clone());
+        let task = tokio::spawn(async move {
+            // Connection tasks are aborted with the accept loop, so a stopped controller really
+            // is gone (no pooled keep-alive connection keeps talking to the sidecar).
+            let mut conns = tokio::task::JoinSet::new();
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let (seen, lines, first) = (seen2.clone(), lines2.clone(), first.clone());
+                conns.spawn(async move {
+                    let svc =
+                        hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                            let (seen, lines, first) = (seen.clone(), lines.clone(), first.clone());
+                            async move {
+                                let authorized = req
+                                    .headers()
+                                    .get("authorization")
+                                    .and_then(|v| v.to_str().ok())
+                                    == Some("Bearer test-token");
+                                if !authorized {
+                                    seen.lock().unwrap().unauthorized += 1;
+                                    let mut r =
+                                        Response::new(body_of(Bytes::from_static(b"unauthorized")));
+                                    *r.status_mut() = hyper::StatusCode::UNAUTHORIZED;
+                                    return Ok::<_, Infallible>(r);
+                                }
+                                if req.uri().path() == "/v1/ack" {
+                                    let body = req
+                                        .into_body()
+                                        .collect()
+                                        .await
+                                        .map(|b| b.to_bytes())
+                                        .unwrap_or_default();
+                                    if let Ok(v) = serde_json::from_slice(&body) {
+                                        seen.lock().unwrap().acks.push(v);
+                                    }
+                                    return Ok(Response::new(body_of(Bytes::new())));
+                                }
+                                seen.lock()
+                                    .unwrap()
+                                    .watches
+                                    .push(req.uri().query().unwrap_or("").to_string());
+                                let (tx, rx) = mpsc::unbounded_channel::<String>();
+                                for l in &first {
+                                    let _ = tx.send(l.clone());
+                                }
+                                *lines.lock().unwrap() = Some(tx);
+                                let stream =
+                                    futures_util::stream::unfold(rx, |mut rx| async move {
+                                        rx.recv().await.map(|l| {
+                                            (
+                                                Ok::<_, Infallible>(Frame::data(Bytes::from(
+                                                    l + "\n",
+                                                ))),
+                                                rx,
+                                            )
+                                        })
+                                    });
+                                let mut r = Response::new(StreamBody::new(stream).boxed_unsync());
+                                r.headers_mut().insert(
+                                    "content-type",
+                                    "application/x-ndjson".parse().unwrap(),
+                                );
+                                Ok(r)
+                            }
+                        });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        FakeController {
+            port,
+            seen,
+            lines,
+            task,
+        }
+    }
+
+    fn push(&self, line: String) {
+        if let Some(tx) = self.lines.lock().unwrap().as_ref() {
+            let _ = tx.send(line);
+        }
+    }
+
+    fn stop(self) -> u16 {
+        self.task.abort();
+        // Dropping the sender ends the open stream.
+        *self.lines.lock().unwrap() = None;
+        self.port
+    }
+}
+
+fn body_of(b: Bytes) -> http_body_util::combinators::UnsyncBoxBody<Bytes, Infallible> {
+    http_body_util::Full::new(b).boxed_unsync()
+}
+
+fn snapshot(version: u64, requests: u64) -> String {
+    let yaml = policy(
+        "streamed",
+        &format!(
+            "rules:\n- name: per-client\n  key: [{{header: x-api-key}}]\n  limit: {{requests: {requests}, period: 1m}}\n  scope: Local\n"
+        ),
+    );
+    let p = tollgate_crd::compile(&tollgate_crd::parse_yaml(&yaml).unwrap()[0]).unwrap();
+    serde_json::to_string(&tollgate_crd::stream::StreamMessage::Snapshot {
+        wire_version: tollgate_crd::WIRE_VERSION,
+        version,
+        policies: vec![p],
+        members: Default::default(),
+        epoch: "e1".into(),
+    })
+    .unwrap()
+}
+
+async fn admitted(s: &Sidecar, key: &str, n: usize) -> usize {
+    let c = client();
+    let mut ok = 0;
+    for _ in 0..n {
+        if c.get(s.url("/"))
+            .header("x-api-key", key)
+            .send()
+            .await
+            .map(|r| r.status() == 200)
+            .unwrap_or(false)
+        {
+            ok += 1;
+        }
+    }
+    ok
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_arrive_over_the_stream_and_survive_a_controller_outage() {
+    within(90, async {
+        let upstream = Upstream::start().await;
+        let controller = FakeController::start(0, vec![snapshot(1, 2)]).await;
+        let dir = tempfile::tempdir().unwrap();
+        let token = dir.path().join("token");
+        std::fs::write(&token, "test-token\n").unwrap();
+        let url = format!("http://127.0.0.1:{}", controller.port);
+        let token_arg = token.to_string_lossy().to_string();
+        let s = Sidecar::start_with_source(
+            &upstream.url(),
+            &[
+                "--controller",
+                &url,
+                "--pod-name",
+                "p1",
+                "--pod-namespace",
+                "test",
+                "--token-file",
+                &token_arg,
+                "--controller-idle-timeout",
+                "2s",
+            ],
+        )
+        .await;
+
+        // Ready once the first snapshot is applied; then the streamed limit holds.
+        poll_until(Duration::from_secs(10), "ready", || async {
+            let r = client().get(s.admin_url("/readyz")).send().await.ok()?;
+            (r.status() == 200).then_some(())
+        })
+        .await;
+        assert_eq!(admitted(&s, "a", 4).await, 2);
+        poll_until(Duration::from_secs(5), "ack of v1", || async {
+            controller
+                .seen
+                .lock()
+                .unwrap()
+                .acks
+                .iter()
+                .any(|a| a["version"] == 1 && a["pod"] == "p1" && a["namespace"] == "test")
+                .then_some(())
+        })
+        .await;
+
+        // An update raises the limit: enforced without a restart.
+        controller.push(snapshot(2, 5));
+        poll_until(Duration::from_secs(5), "v2 enforced", || async {
+            (admitted(&s, &format!("k{}", rand_suffix()), 5).await == 5).then_some(())
+        })
+        .await;
+
+        // Controller gone: the last-known-good rules stay in force.
+        let port = controller.stop();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            admitted(&s, "b", 7).await,
+            5,
+            "v2 still enforced while the controller is away"
+        );
+
+        // Back on the same port: the sidecar resumes from the version it holds.
+        let back = FakeController::start(
+            port,
+            vec![r#"{"type":"heartbeat","version":2}"#.to_string()],
+        )
+        .await;
+        poll_until(Duration::from_secs(20), "reconnect with since", || async {
+            back.seen
+                .lock()
+                .unwrap()
+                .watches
+                .iter()
+                .any(|q| q.contains("since=2") && q.contains("epoch=e1") && q.contains("pod=p1"))
+                .then_some(())
+        })
+        .await;
+        assert_eq!(admitted(&s, "c", 7).await, 5);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_token_keeps_the_sidecar_unready() {
+    within(60, async {
+        let upstream = Upstream::start().await;
+        let controller = FakeController::start(0, vec![snapshot(1, 2)]).await;
+        let dir = tempfile::tempdir().unwrap();
+        let token = dir.path().join("token");
+        std::fs::write(&token, "wrong").unwrap();
+        let url = format!("http://127.0.0.1:{}", controller.port);
+        let token_arg = token.to_string_lossy().to_string();
+        let s = Sidecar::start_with_source(
+            &upstream.url(),
+            &[
+                "--controller",
+                &url,
+                "--pod-name",
+                "p1",
+                "--pod-namespace",
+                "test",
+                "--token-file",
+                &token_arg,
+            ],
+        )
+        .await;
+        poll_until(Duration::from_secs(10), "a refused attempt", || async {
+            (controller.seen.lock().unwrap().unauthorized > 0).then_some(())
+        })
+        .await;
+        let r = client().get(s.admin_url("/readyz")).send().await.unwrap();
+        assert_eq!(r.status(), 503, "no rules yet: not ready");
+    })
+    .await;
+}
+
+fn rand_suffix() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u8(0);
+    h.finish()
+}

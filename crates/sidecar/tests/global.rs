@@ -1,0 +1,699 @@
+//! Global limits against a real `redis-server`: accuracy across sidecars, Redis load, membership,
+//! and the failure modes when Redis dies or restarts empty.
+
+mod common;
+
+use std::net::TcpListener as StdListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A `redis-server` child on a free loopback port, killed (by PID) when dropped.
+struct Redis {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Redis {
+    fn start() -> Redis {
+        let port = StdListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("free port");
+        Redis::start_on(port)
+    }
+
+    fn start_on(port: u16) -> Redis {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start redis-server ({e}); install it with `apt-get install redis-server` \
+                     (./tools/test-all.sh does this)"
+                )
+            });
+        let r = Redis {
+            child,
+            port,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while r.cli(&["PING"]).trim() != "PONG" {
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not answer PING"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        r
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn cli(&self, args: &[&str]) -> String {
+        Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    }
+
+    /// `calls` of one command from INFO commandstats.
+    fn command_calls(&self, cmd: &str) -> u64 {
+        let info = self.cli(&["INFO", "commandstats"]);
+        info.lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{cmd}:calls=")))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn global_policy(name: &str, rule: &str) -> String {
+    policy(name, &format!("rules:\n{}", indent(rule, 2)))
+}
+
+fn indent(s: &str, n: usize) -> String {
+    dedent(s)
+        .lines()
+        .map(|l| format!("{}{l}\n", " ".repeat(n)))
+        .collect()
+}
+
+async fn start_sidecar(
+    upstream: &Upstream,
+    policy: &str,
+    redis: &Redis,
+    extra: &[&str],
+) -> Sidecar {
+    let url = redis.url();
+    let mut args = vec!["--redis", url.as_str()];
+    args.extend_from_slice(extra);
+    Sidecar::start(&upstream.url(), policy, &args).await
+}
+
+/// Sends requests in a closed loop from `conns` tasks to `url` for `dur`; returns (ok, 429, other).
+async fn hammer(
+    url: String,
+    headers: Vec<(&'static str, String)>,
+    conns: usize,
+    dur: Duration,
+) -> (u64, u64, u64) {
+    let ok = Arc::new(AtomicU64::new(0));
+    let limited = Arc::new(AtomicU64::new(0));
+    let other = Arc::new(AtomicU64::new(0));
+    let deadline = Instant::now() + dur;
+    let mut tasks = Vec::new();
+    for _ in 0..conns {
+        let (url, headers) = (url.clone(), headers.clone());
+        let (ok, limited, other) = (ok.clone(), limited.clone(), other.clone());
+        tasks.push(tokio::spawn(async move {
+            let c = client();
+            while Instant::now() < deadline {
+                let mut req = c.get(&url);
+                for (k, v) in &headers {
+                    req = req.header(*k, v);
+                }
+                match req.send().await.map(|r| r.status().as_u16()) {
+                    Ok(200) => ok.fetch_add(1, Ordering::Relaxed),
+                    Ok(429) => limited.fetch_add(1, Ordering::Relaxed),
+                    _ => other.fetch_add(1, Ordering::Relaxed),
+                };
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("load task");
+    }
+    (
+        ok.load(Ordering::Relaxed),
+        limited.load(Ordering::Relaxed),
+        other.load(Ordering::Relaxed),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn global_token_bucket_holds_across_three_sidecars() {
+    within(90, async {
+        let redis = Redis::start();
+        let upstream = Upstream::start().await;
+        // 100/s with a burst of 50, shared by three sidecars.
+        let p = global_policy(
+            "shared",
+            "- name: shared\n  key: [{header: x-api-key}]\n  limit: {requests: 100, period: 1s, burst: 50}",
+        );
+        let mut sidecars = Vec::new();
+        // A generous request timeout: this test measures leasing, not the fail-open fallback
+        // (a debug build on a loaded 2-core machine can exceed the 5 ms default).
+        for _ in 0..3 {
+            sidecars.push(start_sidecar(&upstream, &p, &redis, &["--redis-timeout", "200ms"]).await);
+        }
+        // Wait until every sidecar counts three members, so shares are settled.
+        for s in &sidecars {
+            poll_until(Duration::from_secs(10), "membership of 3", || async {
+                let m = s.metrics(&client()).await;
+                (metric(&m, "tollgate_live_sidecars", &[("policy", "test/shared")]) == Some(3.0)).then_some(())
+            })
+            .await;
+        }
+        let key = vec![("x-api-key", "k1".to_string())];
+        // Load split 90/5/5 (by connections), then even.
+        let dur = Duration::from_secs(3);
+        let t0 = Instant::now();
+        let (a, b, c) = tokio::join!(
+            hammer(sidecars[0].url("/"), key.clone(), 9, dur),
+            hammer(sidecars[1].url("/"), key.clone(), 1, dur),
+            hammer(sidecars[2].url("/"), key.clone(), 1, dur),
+        );
+        let (d, e, f) = tokio::join!(
+            hammer(sidecars[0].url("/"), key.clone(), 3, dur),
+            hammer(sidecars[1].url("/"), key.clone(), 3, dur),
+            hammer(sidecars[2].url("/"), key.clone(), 3, dur),
+        );
+        let elapsed = t0.elapsed().as_secs_f64();
+        let mut fallback = 0.0;
+        for s in &sidecars {
+            let m = s.metrics(&client()).await;
+            fallback += metric(&m, "tollgate_fallback_admitted_total", &[]).unwrap_or(0.0);
+        }
+        let admitted = a.0 + b.0 + c.0 + d.0 + e.0 + f.0;
+        let rejected = a.1 + b.1 + c.1 + d.1 + e.1 + f.1;
+        let errors = a.2 + b.2 + c.2 + d.2 + e.2 + f.2;
+        let expected = 100.0 * elapsed + 50.0;
+        let ratio = admitted as f64 / expected;
+        eprintln!(
+            "accuracy: admitted {admitted} rejected {rejected} in {elapsed:.2}s, expected {expected:.0}, ratio {ratio:.4}, fail-open fallback admitted {fallback}"
+        );
+        assert_eq!(fallback, 0.0, "Redis was reachable: nothing may be admitted by the fallback");
+        assert_eq!(errors, 0);
+        assert!(rejected > admitted, "the load must exceed the limit");
+        // Within 1 % (plus the few tokens of timing jitter at the start and end of the run).
+        assert!(admitted as f64 <= expected * 1.01 + 5.0, "over-admitted: {admitted} > {expected:.0}");
+        assert!(admitted as f64 >= expected * 0.97, "under-admitted: {admitted} < {expected:.0}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_key_costs_few_redis_commands() {
+    within(60, async {
+        let redis = Redis::start();
+        let upstream = Upstream::start().await;
+        // High enough not to reject: we count Redis commands per admitted request.
+        let p = global_policy(
+            "hot",
+            "- name: hot\n  key: [{header: x-api-key}]\n  limit: {requests: 100000, period: 1s}",
+        );
+        let s = start_sidecar(&upstream, &p, &redis, &["--redis-timeout", "200ms"]).await;
+        let key = vec![("x-api-key", "hot".to_string())];
+        // Warm up the lease, then measure.
+        hammer(s.url("/"), key.clone(), 4, Duration::from_millis(500)).await;
+        let before = redis.command_calls("evalsha") + redis.command_calls("eval");
+        let (ok, limited, other) = hammer(s.url("/"), key.clone(), 8, Duration::from_secs(3)).await;
+        let after = redis.command_calls("evalsha") + redis.command_calls("eval");
+        let per_1000 = (after - before) as f64 * 1000.0 / ok as f64;
+        eprintln!(
+            "redis load: {} script calls for {ok} admitted = {per_1000:.2} per 1000 ({:.0} rps)",
+            after - before,
+            ok as f64 / 3.0
+        );
+        assert_eq!((limited, other), (0, 0));
+        assert!(ok > 1000, "load too low to judge: {ok}");
+        assert!(
+            per_1000 <= 15.0,
+            "{per_1000:.2} script calls per 1000 admitted requests"
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_outage_follows_each_rules_failure_mode() {
+    within(90, async {
+        let mut redis = Redis::start();
+        let port = redis.port;
+        let upstream = Upstream::start().await;
+        let p = global_policy(
+            "modes",
+            "- name: open\n  match: {path: {prefix: /open}}\n  key: [{header: x-api-key}]\n  limit: {requests: 1000, period: 1s}\n  failureMode: Open\n\
+             - name: closed\n  match: {path: {prefix: /closed}}\n  key: [{header: x-api-key}]\n  limit: {requests: 1000, period: 1s}\n  failureMode: Closed",
+        );
+        let mut s = start_sidecar(&upstream, &p, &redis, &["--redis-timeout", "20ms"]).await;
+        let c = client();
+        let base = s.url("");
+        let get = |path: &'static str, key: &'static str| {
+            let c = c.clone();
+            let url = format!("{base}{path}");
+            async move {
+                let t = Instant::now();
+                let status = c.get(url).header("x-api-key", key).send().await.map(|r| r.status().as_u16()).unwrap_or(0);
+                (status, t.elapsed())
+            }
+        };
+        assert_eq!(get("/open", "a").await.0, 200);
+        assert_eq!(get("/closed", "a").await.0, 200);
+
+        redis.kill();
+        // Cold keys now: Open serves at the fallback share, Closed answers 503; nobody hangs.
+        let mut saw_503 = false;
+        for i in 0..20 {
+            let key: &'static str = Box::leak(format!("cold{i}").into_boxed_str());
+            let (open, t_open) = get("/open", key).await;
+            let (closed, t_closed) = get("/closed", key).await;
+            assert_eq!(open, 200, "fail-open rule must keep serving");
+            assert!(closed == 503, "fail-closed rule must reject, got {closed}");
+            saw_503 = true;
+            assert!(t_open < Duration::from_millis(500) && t_closed < Duration::from_millis(500), "request waited on a dead Redis: {t_open:?} {t_closed:?}");
+        }
+        assert!(saw_503);
+        let m = s.metrics(&c).await;
+        assert!(metric(&m, "tollgate_requests_total", &[("rule", "closed"), ("decision", "unavailable")]).unwrap_or(0.0) > 0.0);
+        s.assert_serving(&c, "/open").await;
+
+        // Redis comes back empty (scripts gone): recovery is automatic.
+        let _redis2 = Redis::start_on(port);
+        poll_until(Duration::from_secs(10), "recovery after Redis restart", || {
+            let g = get("/closed", "after");
+            async move { (g.await.0 == 200).then_some(()) }
+        })
+        .await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn membership_follows_sidecars_joining_and_leaving() {
+    within(60, async {
+        let redis = Redis::start();
+        let upstream = Upstream::start().await;
+        let p = global_policy("members", "- name: m\n  limit: {requests: 90, period: 1s}");
+        let a = start_sidecar(&upstream, &p, &redis, &["--membership-ttl", "2s"]).await;
+        let live = |s: &Sidecar| {
+            let url = s.admin_url("/metrics");
+            async move {
+                let text = client().get(url).send().await.ok()?.text().await.ok()?;
+                metric(
+                    &text,
+                    "tollgate_live_sidecars",
+                    &[("policy", "test/members")],
+                )
+            }
+        };
+        // Traffic makes the rule active, which starts heartbeats.
+        let _ = client().get(a.url("/")).send().await;
+        poll_until(Duration::from_secs(10), "1 member", || async {
+            (live(&a).await == Some(1.0)).then_some(())
+        })
+        .await;
+        let mut b = start_sidecar(&upstream, &p, &redis, &["--membership-ttl", "2s"]).await;
+        let mut c = start_sidecar(&upstream, &p, &redis, &["--membership-ttl", "2s"]).await;
+        poll_until(Duration::from_secs(10), "3 members", || async {
+            (live(&a).await == Some(3.0)).then_some(())
+        })
+        .await;
+        // A graceful stop leaves at once; a kill drops out after the TTL.
+        b.terminate();
+        b.wait_exit(Duration::from_secs(10)).await;
+        // SIGKILL: no chance to deregister.
+        let _ = Command::new("kill")
+            .args(["-KILL", &c.pid.to_string()])
+            .status();
+        c.wait_exit(Duration::from_secs(10)).await;
+        poll_until(Duration::from_secs(10), "back to 1 member", || async {
+            (live(&a).await == Some(1.0)).then_some(())
+        })
+        .await;
+    })
+    .await;
+}
+
+/// Fills Redis with `keys` active token buckets through the real lease script and returns the
+/// bytes of Redis memory per bucket.
+async fn redis_bytes_per_key(redis: &Redis, keys: u32, groups: u32) -> f64 {
+    use tollgate_sidecar::global::store::{LeaseOp, Store};
+    let store = Store::new(&redis.url(), false, groups).expect("store");
+    let used = || -> f64 {
+        redis
+            .cli(&["INFO", "memory"])
+            .lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    // One warm-up call loads the script, so its memory is not counted per key.
+    let op = |i: u32| {
+        let mut field = [0u8; 16];
+        field[..4].copy_from_slice(&i.to_le_bytes());
+        field[4..8].copy_from_slice(&i.wrapping_mul(2_654_435_761).to_le_bytes());
+        LeaseOp {
+            group: i.wrapping_mul(2_654_435_761) % groups,
+            field,
+            algorithm: 1,
+            requests: 100,
+            period_ms: 3_600_000,
+            burst: 100,
+            want: 1,
+            give_back: 0,
+            back_window: 0,
+            all_or_nothing: false,
+        }
+    };
+    store
+        .lease_batch(&[op(u32::MAX)], Duration::from_secs(5))
+        .await
+        .expect("warm-up");
+    let before = used();
+    let batch = 2000;
+    for start in (0..keys).step_by(batch as usize) {
+        let ops: Vec<LeaseOp> = (start..(start + batch).min(keys)).map(op).collect();
+        let replies = store
+            .lease_batch(&ops, Duration::from_secs(10))
+            .await
+            .expect("lease batch");
+        assert!(replies.iter().all(|r| r.granted == 1));
+    }
+    (used() - before) / f64::from(keys)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn global_buckets_are_compact_in_redis() {
+    within(120, async {
+        let redis = Redis::start();
+        // 200k active keys spread so each group hash holds ~16 buckets (the documented sizing).
+        let keys = 200_000;
+        let per_key = redis_bytes_per_key(&redis, keys, keys / 16).await;
+        eprintln!("redis memory: {per_key:.1} bytes per active token bucket ({keys} keys)");
+        assert!(per_key <= 60.0, "{per_key:.1} bytes per key");
+    })
+    .await;
+}
+
+/// Admitted over `dur` through three sidecars sharing one global rule, and the expected count.
+async fn three_sidecar_run(
+    redis_args: &[&str],
+    rule: &str,
+    rate: f64,
+    burst: f64,
+    dur: Duration,
+) -> (u64, f64) {
+    let upstream = Upstream::start().await;
+    let p = global_policy("shared", rule);
+    let mut sidecars = Vec::new();
+    for _ in 0..3 {
+        let mut args = redis_args.to_vec();
+        args.extend_from_slice(&["--redis-timeout", "200ms"]);
+        sidecars.push(Sidecar::start(&upstream.url(), &p, &args).await);
+    }
+    for s in &sidecars {
+        poll_until(Duration::from_secs(15), "membership of 3", || async {
+            let m = s.metrics(&client()).await;
+            (metric(&m, "tollgate_live_sidecars", &[("policy", "test/shared")]) == Some(3.0))
+                .then_some(())
+        })
+        .await;
+    }
+    let key = vec![("x-api-key", "k".to_string())];
+    let t0 = Instant::now();
+    let (a, b, c) = tokio::join!(
+        hammer(sidecars[0].url("/"), key.clone(), 3, dur),
+        hammer(sidecars[1].url("/"), key.clone(), 3, dur),
+        hammer(sidecars[2].url("/"), key.clone(), 3, dur),
+    );
+    let elapsed = t0.elapsed().as_secs_f64();
+    assert_eq!(a.2 + b.2 + c.2, 0, "errors");
+    (a.0 + b.0 + c.0, rate * elapsed + burst)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_and_fixed_windows_hold_across_sidecars() {
+    within(120, async {
+        let redis = Redis::start();
+        let url = redis.url();
+        // Start just after a window boundary so a 2 s run spans exactly two 1 s windows.
+        for (algo, rule) in [
+            ("SlidingWindow", "- name: shared\n  key: [{header: x-api-key}]\n  limit: {requests: 100, period: 1s, algorithm: SlidingWindow}"),
+            ("FixedWindow", "- name: shared\n  key: [{header: x-api-key}]\n  limit: {requests: 100, period: 1s, algorithm: FixedWindow}"),
+        ] {
+            let (admitted, _) = three_sidecar_run(&["--redis", &url], rule, 100.0, 0.0, Duration::from_secs(3)).await;
+            // 3 s touch at most 4 aligned windows of 100; a sliding window admits no more than a
+            // fixed one. Fewer than 3 full windows means leases starved a sidecar.
+            eprintln!("{algo}: admitted {admitted} in 3 s (limit 100/s)");
+            assert!(admitted <= 400, "{algo} over-admitted: {admitted}");
+            assert!(admitted >= 290, "{algo} under-admitted: {admitted}");
+            redis.cli(&["FLUSHALL"]);
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_rules_make_one_atomic_call_per_request() {
+    within(60, async {
+        let redis = Redis::start();
+        let url = redis.url();
+        let before = redis.command_calls("evalsha");
+        let (admitted, expected) = three_sidecar_run(
+            &["--redis", &url],
+            "- name: shared\n  key: [{header: x-api-key}]\n  limit: {requests: 20, period: 1s, burst: 5}\n  accuracy: Strict",
+            20.0,
+            5.0,
+            Duration::from_secs(2),
+        )
+        .await;
+        let calls = redis.command_calls("evalsha") - before;
+        eprintln!("strict: admitted {admitted}, expected {expected:.1}, {calls} script calls");
+        assert!(admitted as f64 <= expected + 1.0, "strict over-admitted: {admitted} > {expected:.1}");
+        assert!(admitted as f64 >= expected - 3.0, "strict under-admitted: {admitted} < {expected:.1}");
+        assert!(calls > admitted * 2, "strict must call Redis for every request, rejected ones too");
+    })
+    .await;
+}
+
+/// A TCP relay on loopback that delays every chunk by `delay` in both directions.
+async fn delaying_relay(target: u16, delay: Duration) -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind relay");
+    let port = listener.local_addr().expect("addr").port();
+    tokio::spawn(async move {
+        loop {
+            let Ok((inbound, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let Ok(outbound) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
+                else {
+                    return;
+                };
+                let (ri, wi) = inbound.into_split();
+                let (ro, wo) = outbound.into_split();
+                tokio::spawn(pump(ri, wo, delay));
+                tokio::spawn(pump(ro, wi, delay));
+            });
+        }
+    });
+    port
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    delay: Duration,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let writer = tokio::spawn(async move {
+        while let Some((at, data)) = rx.recv().await {
+            tokio::time::sleep_until((at + delay).into()).await;
+            if to.write_all(&data).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut buf = vec![0u8; 16 * 1024];
+    while let Ok(n) = from.read(&mut buf).await {
+        if n == 0 || tx.send((Instant::now(), buf[..n].to_vec())).is_err() {
+            break;
+        }
+    }
+    drop(tx);
+    let _ = writer.await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_redis_keeps_hot_keys_fast_and_cold_keys_follow_their_mode() {
+    within(90, async {
+        let redis = Redis::start();
+        let relay = delaying_relay(redis.port, Duration::from_millis(50)).await;
+        let upstream = Upstream::start().await;
+        let p = global_policy(
+            "slow",
+            "- name: open\n  match: {path: {prefix: /open}}\n  key: [{header: x-api-key}]\n  limit: {requests: 100000, period: 1s}\n  failureMode: Open\n\
+             - name: closed\n  match: {path: {prefix: /closed}}\n  key: [{header: x-api-key}]\n  limit: {requests: 100000, period: 1s}\n  failureMode: Closed",
+        );
+        let relay_url = format!("redis://127.0.0.1:{relay}");
+        // Lease calls on the request path wait at most 10 ms; the background sync tolerates 50 ms RTT.
+        let s = Sidecar::start(&upstream.url(), &p, &["--redis", &relay_url, "--redis-timeout", "10ms", "--sync-timeout", "400ms"]).await;
+        let c = client();
+        // Warm the hot key: its first requests may wait for the slow Redis or fall back.
+        let hot = || c.get(s.url("/open")).header("x-api-key", "hot").send();
+        for _ in 0..50 {
+            let _ = hot().await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let mut lat = Vec::new();
+        for _ in 0..300 {
+            let t = Instant::now();
+            let r = hot().await.expect("hot request");
+            lat.push(t.elapsed());
+            assert_eq!(r.status(), 200);
+        }
+        lat.sort();
+        let p99 = lat[lat.len() * 99 / 100];
+        eprintln!("hot key with Redis +50 ms: p50 {:?} p99 {p99:?}", lat[lat.len() / 2]);
+        assert!(p99 < Duration::from_millis(40), "hot keys must not wait for Redis: p99 {p99:?}");
+        // Cold keys: fail per mode after the tight timeout, never after the 50 ms RTT.
+        for i in 0..10 {
+            let t = Instant::now();
+            let open = c.get(s.url("/open")).header("x-api-key", format!("cold{i}")).send().await.expect("open").status();
+            let closed = c.get(s.url("/closed")).header("x-api-key", format!("cold{i}")).send().await.expect("closed").status();
+            let took = t.elapsed();
+            assert_eq!(open, 200);
+            assert_eq!(closed, 503);
+            assert!(took < Duration::from_millis(100), "cold requests took {took:?}");
+        }
+    })
+    .await;
+}
+
+/// A three-master Redis Cluster on loopback.
+struct Cluster {
+    nodes: Vec<Redis>,
+}
+
+impl Cluster {
+    fn start() -> Cluster {
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            let port = StdListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map(|a| a.port())
+                .expect("port");
+            let dir = tempfile::tempdir().expect("dir");
+            let child = Command::new("redis-server")
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-node-timeout",
+                    "2000",
+                ])
+                .arg("--dir")
+                .arg(dir.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start redis-server (cluster mode)");
+            let r = Redis {
+                child,
+                port,
+                _dir: dir,
+            };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while r.cli(&["PING"]).trim() != "PONG" {
+                assert!(
+                    Instant::now() < deadline,
+                    "cluster node did not answer PING"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            nodes.push(r);
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !nodes
+            .iter()
+            .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+        {
+            assert!(Instant::now() < deadline, "cluster did not become ok");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Cluster { nodes }
+    }
+
+    fn urls(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| n.url())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn global_limit_holds_on_redis_cluster() {
+    within(120, async {
+        let cluster = Cluster::start();
+        let urls = cluster.urls();
+        let (admitted, expected) = three_sidecar_run(
+            &["--redis", &urls, "--redis-cluster"],
+            "- name: shared\n  key: [{header: x-api-key}]\n  limit: {requests: 100, period: 1s, burst: 50}",
+            100.0,
+            50.0,
+            Duration::from_secs(4),
+        )
+        .await;
+        eprintln!("cluster accuracy: admitted {admitted}, expected {expected:.0}, ratio {:.4}", admitted as f64 / expected);
+        assert!(admitted as f64 <= expected * 1.01 + 5.0, "over-admitted on cluster: {admitted}");
+        assert!(admitted as f64 >= expected * 0.97, "under-admitted on cluster: {admitted}");
+        // Buckets and memberships landed on the cluster's shards.
+        let keys: usize = cluster.nodes.iter().map(|n| n.cli(&["DBSIZE"]).trim().parse::<usize>().unwrap_or(0)).sum();
+        assert!(keys >= 1, "no keys on the cluster");
+    })
+    .await;
+}

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Runs every tollgate test on a fresh Debian machine: installs what the tests need (apt packages,
+# Go-built Kubernetes binaries once they are required), then format, lint and the whole test
+# suite. The README's test command and .ci/run both call exactly this script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n==> %s\n' "$*" >&2; }
+
+# Debian packages the tests use as real parts (redis-server for the global limiter tests,
+# openssl for test PKI, curl for smoke checks).
+need_pkgs=()
+command -v redis-server >/dev/null || need_pkgs+=(redis-server)
+command -v openssl >/dev/null || need_pkgs+=(openssl)
+command -v curl >/dev/null || need_pkgs+=(curl)
+if ((${#need_pkgs[@]})); then
+  log "installing ${need_pkgs[*]}"
+  SUDO=""
+  if [ "$(id -u)" != 0 ]; then
+    command -v sudo >/dev/null || { echo "need root or sudo to install: ${need_pkgs[*]}" >&2; exit 1; }
+    SUDO=sudo
+  fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
+fi
+# A package install may start a system redis-server; tests start their own on free ports.
+
+log "cargo fmt --check"
+cargo fmt --all --check
+
+log "cargo clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+log "cargo test"
+# Build everything first so test timeouts never include compile time.
+cargo test --workspace --locked --no-run
+mkdir -p target
+cargo test --workspace --locked 2>&1 | tee target/test-output.log
+status=${PIPESTATUS[0]}
+
+log "summary"
+grep -E '^test result:|FAILED|panicked' target/test-output.log | grep -E 'test result|FAILED|panicked' | awk '
+  /test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /passed;/) p += $(i-1); if ($i ~ /failed;/) f += $(i-1); if ($i ~ /ignored;/) ig += $(i-1) } }
+  /FAILED|panicked/ { print }
+  END { printf "total: %d passed, %d failed, %d ignored\n", p, f, ig }'
+exit "$status"
