@@ -25,6 +25,14 @@ if ((${#need_pkgs[@]})); then
 fi
 # A package install may start a system redis-server; tests start their own on free ports.
 
+# Real kube-apiserver, etcd and helm for the end-to-end tests, built from Go modules once and
+# cached under .cache/k8sbin (about 10 minutes cold on 2 cores, instant when cached).
+command -v go >/dev/null || { echo "Go is needed to build the end-to-end test binaries (tools/k8sbin)" >&2; exit 1; }
+command -v kubectl >/dev/null || { echo "kubectl is needed for the end-to-end tests" >&2; exit 1; }
+log "tools/k8sbin/build.sh (kube-apiserver, etcd, helm)"
+K8SBIN_DIR=$(./tools/k8sbin/build.sh | tail -n 1)
+export K8SBIN_DIR
+
 log "cargo fmt --check"
 cargo fmt --all --check
 

@@ -342,7 +342,7 @@ pub struct Limit {
         length(min = 2, max = 32),
         regex(pattern = "^([0-9]{1,9}(ms|s|m|h))+$")
     )]
-    #[x_kube(validation = Rule::new("duration(self) > duration('0s') && duration(self) <= duration('24h')").message("spec.rules[].limit.period must be greater than 0 and at most 24h"))]
+    #[x_kube(validation = Rule::new("!self.matches('^([0-9]{1,9}(ms|s|m|h))+$') || (duration(self) > duration('0s') && duration(self) <= duration('24h'))").message("spec.rules[].limit.period must be greater than 0 and at most 24h"))]
     pub period: Option<String>,
     /// Token bucket capacity: how many requests a key may send at once after being idle.
     /// Defaults to `requests`.
@@ -364,7 +364,7 @@ pub struct Limit {
         length(min = 2, max = 32),
         regex(pattern = "^([0-9]{1,9}(ms|s|m|h))+$")
     )]
-    #[x_kube(validation = Rule::new("duration(self) <= duration('1m')").message("spec.rules[].limit.maxDelay must be at most 1m"))]
+    #[x_kube(validation = Rule::new("!self.matches('^([0-9]{1,9}(ms|s|m|h))+$') || duration(self) <= duration('1m')").message("spec.rules[].limit.maxDelay must be at most 1m"))]
     pub max_delay: Option<String>,
 }
 
