@@ -96,22 +96,33 @@ fn round(mut f: impl FnMut(u64)) -> f64 {
 fn round2(f: &(dyn Fn(usize, u64) + Sync)) -> f64 {
     static BASE: AtomicU64 = AtomicU64::new(1 << 50);
     let base = BASE.fetch_add(OPS * STEP + SECOND, Ordering::Relaxed);
-    let barrier = Barrier::new(3);
-    let start = std::thread::scope(|s| {
-        for t in 0..2 {
-            let barrier = &barrier;
-            s.spawn(move || {
-                NOW.with(|c| c.set(base));
-                barrier.wait();
-                for i in 0..OPS {
-                    f(t, i);
-                }
-            });
-        }
-        barrier.wait();
-        Instant::now()
+    // Each thread times itself from the common start; the span is first start to last end
+    // (timing from the spawning thread would miss work done while it was descheduled).
+    let barrier = Barrier::new(2);
+    let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|t| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    NOW.with(|c| c.set(base));
+                    barrier.wait();
+                    let start = Instant::now();
+                    for i in 0..OPS {
+                        f(t, i);
+                    }
+                    (start, Instant::now())
+                })
+            })
+            .collect();
+        handles.into_iter().filter_map(|h| h.join().ok()).collect()
     });
-    start.elapsed().as_nanos() as f64 / (2 * OPS) as f64
+    let first = spans.iter().map(|s| s.0).min();
+    let last = spans.iter().map(|s| s.1).max();
+    let span = match (first, last) {
+        (Some(a), Some(b)) => b.duration_since(a),
+        _ => Duration::ZERO,
+    };
+    span.as_nanos() as f64 / (2 * OPS) as f64
 }
 
 struct Row {
@@ -135,68 +146,53 @@ fn main() {
     let q = quota();
     let p = Params::new(&q);
 
-    let mut rows = vec![
-        Row {
-            name: "single key: state vs governor direct",
-            ours: vec![],
-            theirs: vec![],
-        },
-        Row {
-            name: "single key: keyed vs governor keyed",
-            ours: vec![],
-            theirs: vec![],
-        },
-        Row {
-            name: "10k keys: keyed vs governor keyed",
-            ours: vec![],
-            theirs: vec![],
-        },
-        Row {
-            name: "2 threads, 10k keys (aggregate)",
-            ours: vec![],
-            theirs: vec![],
-        },
-        Row {
-            name: "2 threads, one hot key (aggregate)",
-            ours: vec![],
-            theirs: vec![],
-        },
-        Row {
-            name: "real clock: keyed vs governor direct",
-            ours: vec![],
-            theirs: vec![],
-        },
-        Row {
-            name: "real clock: keyed vs governor keyed",
-            ours: vec![],
-            theirs: vec![],
-        },
+    let names = [
+        "single key: state vs governor direct",
+        "single key: keyed vs governor keyed",
+        "10k keys: keyed vs governor keyed",
+        "2 threads, 10k keys, own halves, fake clocks",
+        "2 threads, 10k shared keys, real clocks",
+        "2 threads, one hot key, real clocks",
+        "2 threads, hot key vs governor direct, real",
+        "real clock: keyed vs governor direct",
+        "real clock: keyed vs governor keyed",
     ];
+    let mut rows: Vec<Row> = names
+        .iter()
+        .map(|&name| Row {
+            name,
+            ours: vec![],
+            theirs: vec![],
+        })
+        .collect();
 
     let mut tb = TokenBucket::new();
     let one = KeyedLimiter::new(q, StoreConfig::default());
     let many = KeyedLimiter::new(q, StoreConfig::default());
     let two_many = KeyedLimiter::new(q, StoreConfig::default());
-    let two_hot = KeyedLimiter::new(q, StoreConfig::default());
     let gd = RateLimiter::direct_with_clock(gquota(), TlsClock);
     let gk1 = RateLimiter::<u64, _, _, _>::dashmap_with_clock(gquota(), TlsClock);
     let gk = RateLimiter::<u64, _, _, _>::dashmap_with_clock(gquota(), TlsClock);
     let g2k = RateLimiter::<u64, _, _, _>::dashmap_with_clock(gquota(), TlsClock);
-    let g2hot = RateLimiter::<u64, _, _, _>::dashmap_with_clock(gquota(), TlsClock);
     // Real clocks: T = 1 ns, burst 1000, so a tight loop is mostly admitted on both sides.
     let rq = Quota {
         requests: SECOND,
         burst: 1_000,
         ..q
     };
-    let real = KeyedLimiter::new(rq, StoreConfig::default());
     let clock = MonotonicClock::new();
     let Some(grq) = GQuota::with_period(Duration::from_nanos(1)) else {
         return;
     };
     let grq = grq.allow_burst(nz(1_000));
+    let real = KeyedLimiter::new(rq, StoreConfig::default());
+    let real_many = KeyedLimiter::new(rq, StoreConfig::default());
+    let real_hot = KeyedLimiter::new(rq, StoreConfig::default());
     let grd = RateLimiter::direct(grq);
     let grk = RateLimiter::<u64, _, _>::keyed(grq);
+    let grk_many = RateLimiter::<u64, _, _>::keyed(grq);
+    let grk_hot = RateLimiter::<u64, _, _>::keyed(grq);
+    let grd_hot = RateLimiter::direct(grq);
     let key = 42u64.to_le_bytes();
 
     for _ in 0..ROUNDS {
@@ -222,30 +218,42 @@ fn main() {
             black_box(gk.check_key(&gkeys[i as usize % KEYS]).is_ok());
         }));
         rows[3].ours.push(round2(&|t, i| {
-            let k = (i as usize * 2 + t * 5_003) % KEYS;
+            let k = (i as usize * 2 + t) % KEYS;
             black_box(two_many.check(&bkeys[k], tick(), 1).allowed);
         }));
         rows[3].theirs.push(round2(&|t, i| {
-            let k = (i as usize * 2 + t * 5_003) % KEYS;
+            let k = (i as usize * 2 + t) % KEYS;
             tick();
             black_box(g2k.check_key(&gkeys[k]).is_ok());
         }));
-        rows[4].ours.push(round2(&|_, _| {
-            black_box(two_hot.check(&key, tick(), 1).allowed);
+        rows[4].ours.push(round2(&|t, i| {
+            let k = (i as usize + t * 5_003) % KEYS;
+            black_box(real_many.check(&bkeys[k], clock.now(), 1).allowed);
         }));
-        rows[4].theirs.push(round2(&|_, _| {
-            tick();
-            black_box(g2hot.check_key(&42u64).is_ok());
+        rows[4].theirs.push(round2(&|t, i| {
+            let k = (i as usize + t * 5_003) % KEYS;
+            black_box(grk_many.check_key(&gkeys[k]).is_ok());
+        }));
+        let hot = round2(&|_, _| {
+            black_box(real_hot.check(&key, clock.now(), 1).allowed);
+        });
+        rows[5].ours.push(hot);
+        rows[5].theirs.push(round2(&|_, _| {
+            black_box(grk_hot.check_key(&42u64).is_ok());
+        }));
+        rows[6].ours.push(hot);
+        rows[6].theirs.push(round2(&|_, _| {
+            black_box(grd_hot.check().is_ok());
         }));
         let real_ns = round(|_| {
             black_box(real.check(black_box(&key), clock.now(), 1).allowed);
         });
-        rows[5].ours.push(real_ns);
-        rows[5].theirs.push(round(|_| {
+        rows[7].ours.push(real_ns);
+        rows[7].theirs.push(round(|_| {
             black_box(grd.check().is_ok());
         }));
-        rows[6].ours.push(real_ns);
-        rows[6].theirs.push(round(|_| {
+        rows[8].ours.push(real_ns);
+        rows[8].theirs.push(round(|_| {
             black_box(grk.check_key(black_box(&42u64)).is_ok());
         }));
     }
@@ -271,7 +279,7 @@ fn main() {
             om / tm
         );
     }
-    for r in &rows[3..5] {
+    for r in &rows[3..7] {
         println!(
             "{}: tollgate {:.1} M decisions/s vs governor {:.1} M/s = {:.2}x throughput",
             r.name,

@@ -1,15 +1,19 @@
 //! Decision cost, tollgate vs governor, same quota, same run.
 //!
-//! Both sides read time from the same near-free fake clock (a thread-local counter advanced
-//! by the benchmark loop), so the numbers compare decision cost, not clock cost; the
-//! `real_clock` group uses each side's real monotonic clock (both quanta-based).
+//! Single-threaded groups read time from the same near-free fake clock on both sides (a
+//! thread-local counter advanced by the benchmark loop), so they compare decision cost, not
+//! clock cost. Quota: 1 000 000 per second (T = 1 µs), burst 100; each iteration advances
+//! the clock by 1 µs, so a single key runs exactly at its rate (all admitted) and 10k keys
+//! far below it.
 //!
-//! Quota: 1 000 000 per second (T = 1 µs), burst 100; each iteration advances the clock by
-//! 1 µs per thread, so a single key is exactly at its rate (all admitted), 10k keys are far
-//! below it, and two threads on one key offer 2× the rate (about half rejected).
+//! `two_threads` reports aggregate throughput (criterion's elem/s counts both threads).
+//! Threads on disjoint keys keep per-thread fake clocks; threads sharing keys need one clock,
+//! so those runs use each side's real monotonic clock (both quanta-based) with T = 1 ns and
+//! burst 1000 (mostly admitted). `real_clock` is the single-threaded real-clock variant.
 //!
 //! Keys: governor gets `u64` keys (its best case: hashing an integer); tollgate gets the same
-//! value's 8 little-endian bytes.
+//! value's 8 little-endian bytes. See also the `ratios` bench (interleaved rounds, robust to
+//! load from other processes).
 
 use std::cell::Cell;
 use std::hint::black_box;
@@ -157,65 +161,63 @@ fn two_threads(iters: u64, f: &(dyn Fn(usize, u64) + Sync)) -> Duration {
     // limiter state (kept across samples) sees time moving forward.
     static BASE: AtomicU64 = AtomicU64::new(1 << 50);
     let base = BASE.fetch_add(iters * STEP + SECOND, Ordering::Relaxed);
-    let barrier = Barrier::new(3);
-    std::thread::scope(|s| {
-        for t in 0..2 {
-            let barrier = &barrier;
-            s.spawn(move || {
-                NOW.with(|c| c.set(base));
-                barrier.wait();
-                for i in 0..iters {
-                    f(t, i);
-                }
-            });
-        }
-        barrier.wait();
-        let start = Instant::now();
-        // Scope end joins both threads.
-        start
-    })
-    .elapsed()
+    // Each thread times itself from the common start; the span is first start to last end
+    // (timing from the spawning thread would miss work done while it was descheduled).
+    let barrier = Barrier::new(2);
+    let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|t| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    NOW.with(|c| c.set(base));
+                    barrier.wait();
+                    let start = Instant::now();
+                    for i in 0..iters {
+                        f(t, i);
+                    }
+                    (start, Instant::now())
+                })
+            })
+            .collect();
+        handles.into_iter().filter_map(|h| h.join().ok()).collect()
+    });
+    let first = spans.iter().map(|s| s.0).min();
+    let last = spans.iter().map(|s| s.1).max();
+    match (first, last) {
+        (Some(a), Some(b)) => b.duration_since(a),
+        _ => Duration::ZERO,
+    }
+}
+
+/// Quotas for real-clock runs: T = 1 ns, burst 1000, so a tight loop stays under the rate
+/// (mostly admitted) on both sides.
+fn real_quotas() -> Option<(Quota, GQuota)> {
+    let q = Quota {
+        requests: SECOND,
+        burst: 1_000,
+        ..quota()
+    };
+    let gq = GQuota::with_period(Duration::from_nanos(1))?.allow_burst(nz(1_000));
+    Some((q, gq))
 }
 
 fn contended(c: &mut Criterion) {
     let order = key_order();
     let bytes: Vec<[u8; 8]> = order.iter().map(|k| k.to_le_bytes()).collect();
+    let Some((rq, rgq)) = real_quotas() else {
+        return;
+    };
     let mut g = c.benchmark_group("two_threads");
     // Two decisions per iteration (one per thread): criterion's elem/s is the aggregate.
     g.throughput(Throughput::Elements(2));
 
-    g.bench_function("tollgate_hot_key", |b| {
-        let lim = keyed();
-        let key = 42u64.to_le_bytes();
-        b.iter_custom(|iters| {
-            two_threads(iters, &|_, _| {
-                black_box(lim.check(&key, tick(), 1).allowed);
-            })
-        });
-    });
-    g.bench_function("governor_keyed_hot_key", |b| {
-        let lim = RateLimiter::<u64, _, _, _>::dashmap_with_clock(gquota(), TlsClock);
-        b.iter_custom(|iters| {
-            two_threads(iters, &|_, _| {
-                tick();
-                black_box(lim.check_key(&42u64).is_ok());
-            })
-        });
-    });
-    g.bench_function("governor_direct", |b| {
-        let lim = RateLimiter::direct_with_clock(gquota(), TlsClock);
-        b.iter_custom(|iters| {
-            two_threads(iters, &|_, _| {
-                tick();
-                black_box(lim.check().is_ok());
-            })
-        });
-    });
+    // 10k keys, each thread on its own half, per-thread fake clocks (a key only ever sees
+    // one thread's clock).
     g.bench_function("tollgate_10k_keys", |b| {
         let lim = keyed();
         b.iter_custom(|iters| {
             two_threads(iters, &|t, i| {
-                let k = (i as usize * 2 + t * 5_003) % KEYS;
+                let k = (i as usize * 2 + t) % KEYS;
                 black_box(lim.check(&bytes[k], tick(), 1).allowed);
             })
         });
@@ -224,9 +226,54 @@ fn contended(c: &mut Criterion) {
         let lim = RateLimiter::<u64, _, _, _>::dashmap_with_clock(gquota(), TlsClock);
         b.iter_custom(|iters| {
             two_threads(iters, &|t, i| {
-                let k = (i as usize * 2 + t * 5_003) % KEYS;
+                let k = (i as usize * 2 + t) % KEYS;
                 tick();
                 black_box(lim.check_key(&order[k]).is_ok());
+            })
+        });
+    });
+    // Both threads on shared keys need one clock: each side's real monotonic clock.
+    let clock = MonotonicClock::new();
+    g.bench_function("tollgate_10k_keys_real_clock", |b| {
+        let lim = KeyedLimiter::new(rq, StoreConfig::default());
+        b.iter_custom(|iters| {
+            two_threads(iters, &|t, i| {
+                let k = (i as usize + t * 5_003) % KEYS;
+                black_box(lim.check(&bytes[k], clock.now(), 1).allowed);
+            })
+        });
+    });
+    g.bench_function("governor_keyed_10k_keys_real_clock", |b| {
+        let lim = RateLimiter::<u64, _, _>::keyed(rgq);
+        b.iter_custom(|iters| {
+            two_threads(iters, &|t, i| {
+                let k = (i as usize + t * 5_003) % KEYS;
+                black_box(lim.check_key(&order[k]).is_ok());
+            })
+        });
+    });
+    g.bench_function("tollgate_hot_key_real_clock", |b| {
+        let lim = KeyedLimiter::new(rq, StoreConfig::default());
+        let key = 42u64.to_le_bytes();
+        b.iter_custom(|iters| {
+            two_threads(iters, &|_, _| {
+                black_box(lim.check(&key, clock.now(), 1).allowed);
+            })
+        });
+    });
+    g.bench_function("governor_keyed_hot_key_real_clock", |b| {
+        let lim = RateLimiter::<u64, _, _>::keyed(rgq);
+        b.iter_custom(|iters| {
+            two_threads(iters, &|_, _| {
+                black_box(lim.check_key(&42u64).is_ok());
+            })
+        });
+    });
+    g.bench_function("governor_direct_real_clock", |b| {
+        let lim = RateLimiter::direct(rgq);
+        b.iter_custom(|iters| {
+            two_threads(iters, &|_, _| {
+                black_box(lim.check().is_ok());
             })
         });
     });
@@ -234,16 +281,9 @@ fn contended(c: &mut Criterion) {
 }
 
 fn real_clock(c: &mut Criterion) {
-    // T = 1 ns so a tight loop stays under the rate (mostly admitted) on both sides.
-    let q = Quota {
-        requests: SECOND,
-        burst: 1_000,
-        ..quota()
-    };
-    let Some(gq) = GQuota::with_period(Duration::from_nanos(1)) else {
+    let Some((q, gq)) = real_quotas() else {
         return;
     };
-    let gq = gq.allow_burst(nz(1_000));
     let mut g = c.benchmark_group("real_clock");
     g.throughput(Throughput::Elements(1));
 

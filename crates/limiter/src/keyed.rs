@@ -110,8 +110,8 @@ impl KeyedLimiter {
             };
         };
         let key = store.hash(key);
-        let (d, slot) = store.with_state(key, now, |st, p| {
-            crate::LimiterState::acquire_with(st, p, now, cost)
+        let (d, slot) = store.with_state(key, now, |st, p, slot| {
+            (crate::LimiterState::acquire_with(st, p, now, cost), slot)
         });
         if !d.allowed {
             return Err(d);
@@ -153,7 +153,8 @@ impl KeyedLimiter {
     }
 
     /// How many decisions were made against a shard's shared overflow state because the store
-    /// was full (a metric worth exporting and alerting on).
+    /// was full (a monotonically increasing counter worth exporting and alerting on; locks
+    /// each shard briefly to sum the per-shard counts).
     pub fn overflow_decisions(&self) -> u64 {
         self.stats().overflow_decisions()
     }

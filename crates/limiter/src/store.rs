@@ -23,7 +23,6 @@
 
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use hashbrown::HashTable;
 
@@ -88,6 +87,9 @@ struct Shard<S> {
     min_idle_at: Nanos,
     /// Earliest time the next at-capacity scan may run.
     next_scan: Nanos,
+    /// Decisions made against `overflow` (a plain counter: it is only touched under the
+    /// shard lock, so a flood does not make cores fight over one shared atomic).
+    overflow_decisions: u64,
 }
 
 /// Keeps each shard's lock on its own cache lines (128 bytes covers adjacent-line prefetch).
@@ -108,7 +110,6 @@ pub(crate) struct Store<S> {
     mask: u64,
     shard_cap: usize,
     idle_ttl: Nanos,
-    overflow_decisions: AtomicU64,
 }
 
 /// Two random 64-bit keys. `RandomState` is seeded from the OS once per thread and varies per
@@ -140,13 +141,13 @@ impl<S: LimiterState> Store<S> {
                         overflow: S::default(),
                         min_idle_at: NEVER,
                         next_scan: 0,
+                        overflow_decisions: 0,
                     }))
                 })
                 .collect(),
             mask: shards as u64 - 1,
             shard_cap: max_keys / shards,
             idle_ttl: cfg.idle_ttl,
-            overflow_decisions: AtomicU64::new(0),
         }
     }
 
@@ -169,23 +170,22 @@ impl<S: LimiterState> Store<S> {
     /// Charges `cost` for `key` at `now`.
     #[inline(always)]
     pub(crate) fn decide(&self, key: &[u8], now: Nanos, cost: u64) -> crate::Decision {
-        self.with_state(self.hash(key), now, |s, p| s.acquire_with(p, now, cost))
-            .0
+        self.with_state(self.hash(key), now, |s, p, _| s.acquire_with(p, now, cost))
     }
 
     /// Runs `f` on the key's state, creating it if absent, or on the shard's overflow state if
-    /// the key is new and the shard is full.
+    /// the key is new and the shard is full (`f` is told which).
     #[inline(always)]
     pub(crate) fn with_state<R>(
         &self,
         key: KeyHash,
         now: Nanos,
-        f: impl FnOnce(&mut S, &Params) -> R,
-    ) -> (R, Slot) {
+        f: impl FnOnce(&mut S, &Params, Slot) -> R,
+    ) -> R {
         let mut guard = self.shard(key).lock();
         let shard = &mut *guard;
         if let Some(e) = shard.table.find_mut(key, |e| e.key == key) {
-            return (f(&mut e.state, &self.params), Slot::Entry);
+            return f(&mut e.state, &self.params, Slot::Entry);
         }
         self.insert_slow(shard, key, now, f)
     }
@@ -196,19 +196,19 @@ impl<S: LimiterState> Store<S> {
         shard: &mut Shard<S>,
         key: KeyHash,
         now: Nanos,
-        f: impl FnOnce(&mut S, &Params) -> R,
-    ) -> (R, Slot) {
+        f: impl FnOnce(&mut S, &Params, Slot) -> R,
+    ) -> R {
         if shard.table.len() >= self.shard_cap && now >= shard.min_idle_at && now >= shard.next_scan
         {
             self.scan(shard, now);
             shard.next_scan = now.saturating_add(MIN_SCAN_INTERVAL);
         }
         if shard.table.len() >= self.shard_cap {
-            self.overflow_decisions.fetch_add(1, Ordering::Relaxed);
-            return (f(&mut shard.overflow, &self.params), Slot::Overflow);
+            shard.overflow_decisions += 1;
+            return f(&mut shard.overflow, &self.params, Slot::Overflow);
         }
         let mut state = S::default();
-        let r = f(&mut state, &self.params);
+        let r = f(&mut state, &self.params, Slot::Entry);
         let idle = state.idle_at(&self.params).saturating_add(self.idle_ttl);
         // A state that is still pristine (e.g. a request too large to ever fit) needs no entry.
         if idle > now || idle == NEVER {
@@ -217,7 +217,7 @@ impl<S: LimiterState> Store<S> {
                 .table
                 .insert_unique(key, Entry { key, state }, |e| e.key);
         }
-        (r, Slot::Entry)
+        r
     }
 
     /// Removes evictable entries of one shard; returns how many.
@@ -270,7 +270,10 @@ impl<S: LimiterState> Store<S> {
     }
 
     pub(crate) fn overflow_decisions(&self) -> u64 {
-        self.overflow_decisions.load(Ordering::Relaxed)
+        self.shards
+            .iter()
+            .map(|s| s.0.lock().overflow_decisions)
+            .sum()
     }
 
     /// Bytes allocated for the shard tables (entries + control bytes), excluding any heap
