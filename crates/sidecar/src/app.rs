@@ -60,7 +60,7 @@ pub async fn run(
             shadow_header: args.shadow_header,
         },
         metrics,
-        AuditLog::new(args.audit_per_second),
+        AuditLog::new(args.audit_per_second, args.audit_raw_keys),
     )?);
     let store = StoreConfig {
         max_keys: args.max_keys_per_rule,

@@ -2,26 +2,29 @@
 //!
 //! It is itself rate limited (a fixed number of lines per second, the rest counted in
 //! `tollgate_audit_suppressed_total`) so that a flood of rejected requests cannot flood the log.
-//! Keys are logged as a keyed hash unless raw keys are explicitly enabled.
+//! Keys are logged as a keyed hash unless raw keys are explicitly enabled: counter keys are API
+//! keys, user ids and addresses, which log pipelines should not collect by default.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use tollgate_limiter::{Clock, MonotonicClock};
 
 use crate::metrics::Metrics;
-use crate::rules::{ActiveRule, Limited};
+use crate::rules::{ActiveRule, Rejection};
 
 pub struct AuditLog {
     per_second: u64,
+    raw_keys: bool,
     /// High 32 bits: the current second; low 32 bits: lines written in it.
     window: AtomicU64,
     clock: MonotonicClock,
 }
 
 impl AuditLog {
-    pub fn new(per_second: u64) -> AuditLog {
+    pub fn new(per_second: u64, raw_keys: bool) -> AuditLog {
         AuditLog {
             per_second,
+            raw_keys,
             window: AtomicU64::new(0),
             clock: MonotonicClock::new(),
         }
@@ -51,16 +54,30 @@ impl AuditLog {
         }
     }
 
-    pub fn rejected(&self, rule: &ActiveRule, limited: &Limited, metrics: &Metrics) {
+    pub fn rejected(&self, rule: &ActiveRule, rejection: &Rejection, metrics: &Metrics) {
         if !self.admit() {
             metrics.audit_suppressed.inc();
             return;
         }
+        let limited = &rejection.limited;
+        // Key parts are joined by 0x1f; show them as '|' and escape anything unprintable.
+        let raw = self.raw_keys.then(|| {
+            rejection
+                .key
+                .strip_suffix(&[0x1f])
+                .unwrap_or(&rejection.key)
+                .iter()
+                .map(|b| if *b == 0x1f { b'|' } else { *b })
+                .flat_map(std::ascii::escape_default)
+                .map(char::from)
+                .collect::<String>()
+        });
         tracing::info!(
             target: "tollgate::audit",
             event = "rejected",
             rule = %rule.rule.id,
             key_hash = %format_args!("{:016x}", limited.key_hash),
+            key = raw.as_deref(),
             limit = limited.decision.limit,
             retry_after_ms = limited.decision.retry_after / 1_000_000,
             "request rejected"
@@ -74,7 +91,7 @@ mod tests {
 
     #[test]
     fn at_most_n_lines_per_second() {
-        let log = AuditLog::new(5);
+        let log = AuditLog::new(5, false);
         let admitted = (0..100).filter(|_| log.admit()).count();
         // The test may straddle a second boundary once.
         assert!((5..=10).contains(&admitted), "{admitted}");

@@ -94,6 +94,11 @@ pub struct RunArgs {
     #[arg(long, env = "TOLLGATE_AUDIT_PER_SECOND", default_value_t = 100)]
     pub audit_per_second: u64,
 
+    /// Put the raw counter key (API key, user, address) in audit lines instead of only its
+    /// hash. Off by default: keys are often credentials or personal data.
+    #[arg(long, env = "TOLLGATE_AUDIT_RAW_KEYS", default_value_t = false)]
+    pub audit_raw_keys: bool,
+
     /// How long SIGTERM waits for in-flight requests before closing connections.
     #[arg(long, env = "TOLLGATE_DRAIN_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
     pub drain_timeout: Duration,

@@ -230,9 +230,10 @@ pub async fn handle(
             .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         return local(resp);
     }
-    if let Some(limited) = &verdict.rejected {
+    if let Some(rejection) = &verdict.rejected {
+        let limited = &rejection.limited;
         let rule = &rules.rules[limited.rule];
-        shared.audit.rejected(rule, limited, &shared.metrics);
+        shared.audit.rejected(rule, rejection, &shared.metrics);
         return local(response::too_many_requests(
             rule,
             &limited.decision,

@@ -283,7 +283,7 @@ impl Matcher {
 #[derive(Default)]
 pub struct Verdict {
     /// The enforcing rule that rejected the request and its decision.
-    pub rejected: Option<Limited>,
+    pub rejected: Option<Rejection>,
     /// For admitted requests: the rule closest to its limit, for the RateLimit headers.
     pub tightest: Option<Limited>,
     /// Shadow rules that would have rejected the request.
@@ -310,8 +310,14 @@ pub struct Pending {
 pub struct Limited {
     pub rule: usize,
     pub decision: limiter::Decision,
-    /// Hash of the counter key, for jitter and the audit log (never the raw key).
+    /// Hash of the counter key, for jitter and the audit log.
     pub key_hash: u64,
+}
+
+/// The rejecting rule, with the raw counter key kept for an audit log configured to show it.
+pub struct Rejection {
+    pub limited: Limited,
+    pub key: Vec<u8>,
 }
 
 impl RuleSet {
@@ -401,7 +407,7 @@ impl RuleSet {
             } else {
                 active.limiter.check(key_buf, now, cost)
             };
-            if self.account(&mut verdict, ri, decision, key_hash) {
+            if self.account(&mut verdict, ri, decision, key_hash, key_buf) {
                 return verdict;
             }
         }
@@ -415,6 +421,7 @@ impl RuleSet {
         ri: usize,
         decision: limiter::Decision,
         key_hash: u64,
+        key: &[u8],
     ) -> bool {
         let active = &self.rules[ri];
         if decision.allowed {
@@ -439,10 +446,13 @@ impl RuleSet {
             false
         } else {
             active.metrics.rejected.inc();
-            verdict.rejected = Some(Limited {
-                rule: ri,
-                decision,
-                key_hash,
+            verdict.rejected = Some(Rejection {
+                limited: Limited {
+                    rule: ri,
+                    decision,
+                    key_hash,
+                },
+                key: key.to_vec(),
             });
             verdict.permits.clear();
             true
@@ -470,8 +480,8 @@ impl RuleSet {
             let Some(g) = &self.rules[p.rule].global else {
                 continue;
             };
-            let stop = match g.acquire_remote(p.key, now, p.cost).await {
-                LocalOutcome::Decided(d) => self.account(verdict, p.rule, d, p.key_hash),
+            let stop = match g.acquire_remote(&p.key, now, p.cost).await {
+                LocalOutcome::Decided(d) => self.account(verdict, p.rule, d, p.key_hash, &p.key),
                 LocalOutcome::Unavailable => self.unavailable(verdict, p.rule),
                 LocalOutcome::NeedRemote => false,
             };

@@ -11,6 +11,9 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
+/// These tests measure rates and latencies: run them one at a time so they do not skew each other.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A `redis-server` child on a free loopback port, killed (by PID) when dropped.
 struct Redis {
     child: Child,
@@ -159,6 +162,7 @@ async fn hammer(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn global_token_bucket_holds_across_three_sidecars() {
     within(90, async {
+        let _serial = SERIAL.lock().await;
         let redis = Redis::start();
         let upstream = Upstream::start().await;
         // 100/s with a burst of 50, shared by three sidecars.
@@ -218,35 +222,62 @@ async fn global_token_bucket_holds_across_three_sidecars() {
     .await;
 }
 
+/// Redis script calls and all commands (client view: one script call counts once; in-script
+/// commands are reported beside) per 1000 admitted requests on one hot key.
+async fn redis_load(accuracy: &str) -> (f64, f64, f64) {
+    let redis = Redis::start();
+    let upstream = Upstream::start().await;
+    // High enough not to reject: we count Redis commands per admitted request.
+    let p = global_policy(
+        "hot",
+        &format!(
+            "- name: hot\n  key: [{{header: x-api-key}}]\n  limit: {{requests: 100000, period: 1s}}\n  accuracy: {accuracy}"
+        ),
+    );
+    let s = start_sidecar(&upstream, &p, &redis, &["--redis-timeout", "200ms"]).await;
+    let key = vec![("x-api-key", "hot".to_string())];
+    // Warm up the lease, then measure.
+    hammer(s.url("/"), key.clone(), 4, Duration::from_millis(500)).await;
+    let scripts = |r: &Redis| r.command_calls("evalsha") + r.command_calls("eval");
+    let inner = |r: &Redis| {
+        [
+            "time",
+            "hget",
+            "hset",
+            "hdel",
+            "pttl",
+            "pexpire",
+            "hlen",
+            "zadd",
+            "zremrangebyscore",
+            "zcard",
+        ]
+        .iter()
+        .map(|c| r.command_calls(c))
+        .sum::<u64>()
+    };
+    let (s0, i0) = (scripts(&redis), inner(&redis));
+    let (ok, limited, other) = hammer(s.url("/"), key.clone(), 8, Duration::from_secs(3)).await;
+    let (s1, i1) = (scripts(&redis), inner(&redis));
+    assert_eq!((limited, other), (0, 0));
+    assert!(ok > 1000, "load too low to judge: {ok}");
+    let per = |n: u64| n as f64 * 1000.0 / ok as f64;
+    (per(s1 - s0), per(i1 - i0), ok as f64 / 3.0)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hot_key_costs_few_redis_commands() {
-    within(60, async {
-        let redis = Redis::start();
-        let upstream = Upstream::start().await;
-        // High enough not to reject: we count Redis commands per admitted request.
-        let p = global_policy(
-            "hot",
-            "- name: hot\n  key: [{header: x-api-key}]\n  limit: {requests: 100000, period: 1s}",
-        );
-        let s = start_sidecar(&upstream, &p, &redis, &["--redis-timeout", "200ms"]).await;
-        let key = vec![("x-api-key", "hot".to_string())];
-        // Warm up the lease, then measure.
-        hammer(s.url("/"), key.clone(), 4, Duration::from_millis(500)).await;
-        let before = redis.command_calls("evalsha") + redis.command_calls("eval");
-        let (ok, limited, other) = hammer(s.url("/"), key.clone(), 8, Duration::from_secs(3)).await;
-        let after = redis.command_calls("evalsha") + redis.command_calls("eval");
-        let per_1000 = (after - before) as f64 * 1000.0 / ok as f64;
+async fn hot_key_costs_few_redis_commands_next_to_per_request_lua() {
+    within(90, async {
+        let _serial = SERIAL.lock().await;
+        let (leased, leased_inner, leased_rps) = redis_load("Leased").await;
+        let (strict, strict_inner, strict_rps) = redis_load("Strict").await;
         eprintln!(
-            "redis load: {} script calls for {ok} admitted = {per_1000:.2} per 1000 ({:.0} rps)",
-            after - before,
-            ok as f64 / 3.0
+            "redis load per 1000 admitted, one hot key: leased {leased:.2} script calls ({leased_inner:.0} in-script commands) at {leased_rps:.0} rps; \
+             per-request Lua (strict) {strict:.0} script calls ({strict_inner:.0} in-script) at {strict_rps:.0} rps; ratio {:.0}x",
+            strict / leased.max(0.001)
         );
-        assert_eq!((limited, other), (0, 0));
-        assert!(ok > 1000, "load too low to judge: {ok}");
-        assert!(
-            per_1000 <= 15.0,
-            "{per_1000:.2} script calls per 1000 admitted requests"
-        );
+        assert!(leased <= 15.0, "{leased:.2} script calls per 1000 admitted requests");
+        assert!(strict >= 990.0, "strict mode must call Redis per request: {strict:.0}");
     })
     .await;
 }
@@ -254,6 +285,7 @@ async fn hot_key_costs_few_redis_commands() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_outage_follows_each_rules_failure_mode() {
     within(90, async {
+        let _serial = SERIAL.lock().await;
         let mut redis = Redis::start();
         let port = redis.port;
         let upstream = Upstream::start().await;
@@ -308,6 +340,7 @@ async fn redis_outage_follows_each_rules_failure_mode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn membership_follows_sidecars_joining_and_leaving() {
     within(60, async {
+        let _serial = SERIAL.lock().await;
         let redis = Redis::start();
         let upstream = Upstream::start().await;
         let p = global_policy("members", "- name: m\n  limit: {requests: 90, period: 1s}");
@@ -402,6 +435,7 @@ async fn redis_bytes_per_key(redis: &Redis, keys: u32, groups: u32) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn global_buckets_are_compact_in_redis() {
     within(120, async {
+        let _serial = SERIAL.lock().await;
         let redis = Redis::start();
         // 200k active keys spread so each group hash holds ~16 buckets (the documented sizing).
         let keys = 200_000;
@@ -451,6 +485,7 @@ async fn three_sidecar_run(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sliding_and_fixed_windows_hold_across_sidecars() {
     within(120, async {
+        let _serial = SERIAL.lock().await;
         let redis = Redis::start();
         let url = redis.url();
         // Start just after a window boundary so a 2 s run spans exactly two 1 s windows.
@@ -473,6 +508,7 @@ async fn sliding_and_fixed_windows_hold_across_sidecars() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strict_rules_make_one_atomic_call_per_request() {
     within(60, async {
+        let _serial = SERIAL.lock().await;
         let redis = Redis::start();
         let url = redis.url();
         let before = redis.command_calls("evalsha");
@@ -547,6 +583,7 @@ async fn pump(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_redis_keeps_hot_keys_fast_and_cold_keys_follow_their_mode() {
     within(90, async {
+        let _serial = SERIAL.lock().await;
         let redis = Redis::start();
         let relay = delaying_relay(redis.port, Duration::from_millis(50)).await;
         let upstream = Upstream::start().await;
@@ -678,6 +715,7 @@ impl Cluster {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn global_limit_holds_on_redis_cluster() {
     within(120, async {
+        let _serial = SERIAL.lock().await;
         let cluster = Cluster::start();
         let urls = cluster.urls();
         let (admitted, expected) = three_sidecar_run(

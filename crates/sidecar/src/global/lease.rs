@@ -289,24 +289,30 @@ impl GlobalRule {
     }
 
     /// The slow path: one round trip (single flight per key), bounded by the request timeout.
-    pub async fn acquire_remote(&self, key: Vec<u8>, now: Nanos, cost: u64) -> LocalOutcome {
-        let (field, group) = self.field_for(&key);
+    pub async fn acquire_remote(&self, key: &[u8], now: Nanos, cost: u64) -> LocalOutcome {
+        let (field, group) = self.field_for(key);
         let timeout = self.runtime.settings.request_timeout;
         if self.strict {
             let op = self.op(field, group, cost, 0, 0, true);
             return match self.call(op, timeout).await {
                 Ok(r) => LocalOutcome::Decided(self.decision_from(&r, r.granted >= cost)),
-                Err(_) => self.degraded(&key, now, cost),
+                Err(_) => self.degraded(key, now, cost),
             };
         }
         let slot = self.slot_or_insert(field, group, now);
-        let Ok(_guard) = tokio::time::timeout(timeout, slot.refill.lock()).await else {
-            // Another request's refill is still outstanding after our whole budget.
-            return self.degraded(&key, now, cost);
+        // One budget for waiting on another request's refill and making our own call, so a
+        // request never waits longer than the timeout because of Redis.
+        let deadline = tokio::time::Instant::now() + timeout;
+        let Ok(_guard) = tokio::time::timeout_at(deadline, slot.refill.lock()).await else {
+            return self.degraded(key, now, cost);
         };
         // The refill we waited for may have brought enough tokens.
         if let Some(d) = self.spend(&slot, now, cost) {
             return LocalOutcome::Decided(d);
+        }
+        let timeout = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if timeout.is_zero() {
+            return self.degraded(key, now, cost);
         }
         let held = slot.tokens.load(Ordering::Acquire);
         let target = slot.target.load(Ordering::Relaxed).min(self.share());
@@ -323,7 +329,7 @@ impl GlobalRule {
                     None => LocalOutcome::Decided(self.decision_from(&r, false)),
                 }
             }
-            Err(_) => self.degraded(&key, now, cost),
+            Err(_) => self.degraded(key, now, cost),
         }
     }
 
