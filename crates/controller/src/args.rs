@@ -1,0 +1,129 @@
+//! Command-line flags; each also reads a `TOLLGATE_*` environment variable.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+
+/// tollgate-controller: compiles RateLimitPolicies, streams them to sidecars, writes status.
+///
+/// Connects to Kubernetes through the in-cluster service account or `KUBECONFIG`.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "tollgate-controller", version, about, long_about = None)]
+pub struct Args {
+    /// Address of the rule-stream server (also serves /healthz, /readyz and /metrics).
+    #[arg(long, env = "TOLLGATE_LISTEN", default_value = "0.0.0.0:8090")]
+    pub listen: SocketAddr,
+
+    /// Namespaces to watch (repeat the flag or separate with commas); all namespaces if unset.
+    #[arg(long = "namespace", env = "TOLLGATE_NAMESPACES", value_delimiter = ',')]
+    pub namespaces: Vec<String>,
+
+    /// Label selector restricting which pods are indexed, e.g. `tollgate.dev/inject=true`.
+    /// Pods outside it cannot open a rule stream.
+    #[arg(long, env = "TOLLGATE_POD_SELECTOR")]
+    pub pod_selector: Option<String>,
+
+    /// Heartbeat interval of idle rule streams.
+    #[arg(long, env = "TOLLGATE_HEARTBEAT_INTERVAL", default_value = "5s", value_parser = parse_duration)]
+    pub heartbeat_interval: Duration,
+
+    /// How long a stream request for a pod the watch has not delivered yet waits before 404.
+    #[arg(long, env = "TOLLGATE_UNKNOWN_POD_GRACE", default_value = "2s", value_parser = parse_duration)]
+    pub unknown_pod_grace: Duration,
+
+    /// Audiences a sidecar token must be issued for (TokenReview `spec.audiences`); any
+    /// audience the API server accepts when unset.
+    #[arg(
+        long = "token-audience",
+        env = "TOLLGATE_TOKEN_AUDIENCES",
+        value_delimiter = ','
+    )]
+    pub token_audiences: Vec<String>,
+
+    /// How long a successful token review is cached.
+    #[arg(long, env = "TOLLGATE_TOKEN_CACHE_TTL", default_value = "60s", value_parser = parse_duration)]
+    pub token_cache_ttl: Duration,
+
+    /// Elect a leader with a Lease; only the leader writes status. Disable for a single replica
+    /// without Lease permissions.
+    #[arg(long, env = "TOLLGATE_LEADER_ELECTION", default_value_t = true, action = clap::ArgAction::Set)]
+    pub leader_election: bool,
+
+    /// Name of the Lease used for leader election.
+    #[arg(
+        long,
+        env = "TOLLGATE_LEASE_NAME",
+        default_value = "tollgate-controller"
+    )]
+    pub lease_name: String,
+
+    /// Namespace of the Lease; defaults to the service account's (or kubeconfig's) namespace.
+    #[arg(long, env = "TOLLGATE_LEASE_NAMESPACE")]
+    pub lease_namespace: Option<String>,
+
+    /// How long the Lease stays valid without renewal.
+    #[arg(long, env = "TOLLGATE_LEASE_DURATION", default_value = "15s", value_parser = parse_duration)]
+    pub lease_duration: Duration,
+
+    /// This replica's identity in the Lease and in Events; defaults to `POD_NAME` or the host name.
+    #[arg(long, env = "TOLLGATE_IDENTITY")]
+    pub identity: Option<String>,
+
+    /// Minimum time between two status writes of one policy.
+    #[arg(long, env = "TOLLGATE_STATUS_MIN_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub status_min_interval: Duration,
+
+    /// How long open streams get to close on shutdown.
+    #[arg(long, env = "TOLLGATE_SHUTDOWN_GRACE", default_value = "5s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+
+    /// Log format.
+    #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Plain)]
+    pub log_format: LogFormat,
+
+    /// Log filter (tracing `EnvFilter` syntax); `RUST_LOG` overrides it.
+    #[arg(long, env = "TOLLGATE_LOG", default_value = "info")]
+    pub log: String,
+}
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Plain,
+    Json,
+}
+
+/// Parses `500ms`, `5s`, `1m`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{s:?} is not a duration such as 5s: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_lists_parse() {
+        let a = Args::try_parse_from(["tollgate-controller"]).unwrap();
+        assert_eq!(a.listen.port(), 8090);
+        assert!(a.namespaces.is_empty());
+        assert_eq!(a.heartbeat_interval, Duration::from_secs(5));
+        assert!(a.leader_election);
+        let a = Args::try_parse_from([
+            "tollgate-controller",
+            "--namespace",
+            "a,b",
+            "--namespace=c",
+            "--leader-election=false",
+            "--heartbeat-interval=250ms",
+        ])
+        .unwrap();
+        assert_eq!(a.namespaces, ["a", "b", "c"]);
+        assert!(!a.leader_election);
+        assert_eq!(a.heartbeat_interval, Duration::from_millis(250));
+        assert!(
+            Args::try_parse_from(["tollgate-controller", "--heartbeat-interval=soon"]).is_err()
+        );
+    }
+}

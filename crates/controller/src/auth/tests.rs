@@ -1,0 +1,176 @@
+use std::collections::BTreeMap;
+
+use http::{HeaderValue, Request, Response};
+use http_body_util::BodyExt;
+use kube::client::Body;
+use tower_test::mock;
+
+use super::*;
+
+fn headers(auth: &str) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    h.insert(
+        http::header::AUTHORIZATION,
+        HeaderValue::from_str(auth).unwrap(),
+    );
+    h
+}
+
+fn sa(ns: &str, pod: Option<&str>) -> Identity {
+    Identity {
+        username: format!("system:serviceaccount:{ns}:app"),
+        namespace: Some(ns.to_string()),
+        service_account: Some("app".to_string()),
+        pod_name: pod.map(str::to_string),
+    }
+}
+
+#[test]
+fn bearer_tokens_are_parsed_strictly() {
+    assert_eq!(bearer_token(&headers("Bearer abc.def")), Some("abc.def"));
+    assert_eq!(bearer_token(&headers("bearer  abc ")), Some("abc"));
+    assert_eq!(bearer_token(&headers("Basic abc")), None);
+    assert_eq!(bearer_token(&headers("Bearer ")), None);
+    assert_eq!(bearer_token(&HeaderMap::new()), None);
+}
+
+#[test]
+fn scoping_requires_same_namespace_and_bound_pod() {
+    assert!(authorize(&sa("shop", None), "shop", "api-1").is_ok());
+    assert!(authorize(&sa("shop", Some("api-1")), "shop", "api-1").is_ok());
+    let err = authorize(&sa("shop", None), "bank", "api-1").unwrap_err();
+    assert!(err.contains("\"bank\""), "{err}");
+    let err = authorize(&sa("shop", Some("api-2")), "shop", "api-1").unwrap_err();
+    assert!(err.contains("api-2"), "{err}");
+    let user = Identity {
+        username: "alice".into(),
+        namespace: None,
+        service_account: None,
+        pod_name: None,
+    };
+    assert!(authorize(&user, "shop", "api-1").is_err());
+}
+
+#[test]
+fn identities_are_read_from_user_info() {
+    let user = UserInfo {
+        username: Some("system:serviceaccount:shop:api".into()),
+        extra: Some(BTreeMap::from([(
+            POD_NAME_EXTRA.to_string(),
+            vec!["api-1".to_string()],
+        )])),
+        ..UserInfo::default()
+    };
+    let id = identity_from_user(&user).unwrap();
+    assert_eq!(id.namespace.as_deref(), Some("shop"));
+    assert_eq!(id.service_account.as_deref(), Some("api"));
+    assert_eq!(id.pod_name.as_deref(), Some("api-1"));
+
+    let id = identity_from_user(&UserInfo {
+        username: Some("kubernetes-admin".into()),
+        ..UserInfo::default()
+    })
+    .unwrap();
+    assert_eq!(id.namespace, None);
+    assert!(identity_from_user(&UserInfo::default()).is_err());
+}
+
+type Handle = mock::Handle<Request<Body>, Response<Body>>;
+
+fn mock_client() -> (kube::Client, Handle) {
+    let (svc, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    (kube::Client::new(svc, "default"), handle)
+}
+
+/// Answers one TokenReview like the API server would.
+async fn answer_review(handle: &mut Handle, authenticated: bool) -> serde_json::Value {
+    let (req, send) = tokio::time::timeout(Duration::from_secs(5), handle.next_request())
+        .await
+        .expect("a TokenReview request")
+        .expect("service alive");
+    assert_eq!(req.method(), http::Method::POST);
+    assert_eq!(
+        req.uri().path(),
+        "/apis/authentication.k8s.io/v1/tokenreviews"
+    );
+    let body = req.into_body().collect().await.unwrap().to_bytes();
+    let sent: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let mut reply = sent.clone();
+    reply["status"] = if authenticated {
+        serde_json::json!({
+            "authenticated": true,
+            "audiences": ["tollgate"],
+            "user": {
+                "username": "system:serviceaccount:shop:api",
+                "uid": "u-1",
+                "extra": {POD_NAME_EXTRA: ["api-1"]},
+            }
+        })
+    } else {
+        serde_json::json!({"authenticated": false, "error": "token expired"})
+    };
+    send.send_response(
+        Response::builder()
+            .status(201)
+            .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+            .unwrap(),
+    );
+    sent
+}
+
+#[tokio::test]
+async fn token_review_authenticates_and_caches() {
+    let (client, mut handle) = mock_client();
+    let auth = TokenReviewAuthenticator::new(client, vec!["tollgate".into()], DEFAULT_CACHE_TTL);
+    let (id, sent) = tokio::join!(
+        auth.authenticate("secret-token"),
+        answer_review(&mut handle, true)
+    );
+    let id = id.unwrap();
+    assert_eq!(sent["spec"]["token"], "secret-token");
+    assert_eq!(sent["spec"]["audiences"], serde_json::json!(["tollgate"]));
+    assert_eq!(id.namespace.as_deref(), Some("shop"));
+    assert_eq!(id.pod_name.as_deref(), Some("api-1"));
+
+    // Cached: no second request reaches the API.
+    let again = auth.authenticate("secret-token").await.unwrap();
+    assert_eq!(again, id);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), handle.next_request())
+            .await
+            .is_err(),
+        "a cached token must not be reviewed again"
+    );
+}
+
+#[tokio::test]
+async fn token_review_rejections_are_unauthenticated() {
+    let (client, mut handle) = mock_client();
+    let auth = TokenReviewAuthenticator::new(client, vec![], DEFAULT_CACHE_TTL);
+    let (res, sent) = tokio::join!(
+        auth.authenticate("stale"),
+        answer_review(&mut handle, false)
+    );
+    assert!(sent["spec"].get("audiences").is_none());
+    assert_eq!(res, Err(AuthError::Unauthenticated("token expired".into())));
+}
+
+#[tokio::test]
+async fn token_review_api_errors_are_unavailable() {
+    let (client, mut handle) = mock_client();
+    let auth = TokenReviewAuthenticator::new(client, vec![], DEFAULT_CACHE_TTL);
+    let answer = async {
+        let (_req, send) = handle.next_request().await.unwrap();
+        send.send_response(
+            Response::builder()
+                .status(500)
+                .body(Body::from(
+                    br#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"boom","reason":"InternalError","code":500}"#
+                        .to_vec(),
+                ))
+                .unwrap(),
+        );
+    };
+    let (res, ()) = tokio::join!(auth.authenticate("tok"), answer);
+    assert!(matches!(res, Err(AuthError::Unavailable(_))), "{res:?}");
+}

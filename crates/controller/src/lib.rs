@@ -1,0 +1,38 @@
+//! tollgate-controller: the Kubernetes side of tollgate.
+//!
+//! ```text
+//!  kube-apiserver ──watch──▶ runtime ──apply/delete/reset──▶ index ──watch::Sender per pod──┐
+//!   RateLimitPolicy, Pod        (one task per kind)        (compile, select,               │
+//!        ▲                                                  membership counts)              ▼
+//!        │ patch_status (leader)                                 server: GET /v1/watch (ndjson)
+//!        └──── status ◀── policy views ◀── acks ◀────────────────────── POST /v1/ack
+//!                 ▲
+//!               leader (Lease)          auth: TokenReview → namespace/pod scoping
+//! ```
+//!
+//! - [`index`]: pure state (no client): policies compiled with `tollgate_crd::compile`, the last
+//!   good version kept when an update is invalid, pods and the policies selecting them, one
+//!   `watch` channel per pod, a global version.
+//! - [`membership`]: connected sidecars per policy, acks, the connection guard.
+//! - [`server`]: the rule-stream HTTP server (see `docs/rule-stream.md`).
+//! - [`auth`]: bearer tokens via TokenReview, request scoping.
+//! - [`status`]: conditions and counters on `RateLimitPolicy.status`, Events (leader only).
+//! - [`leader`]: Lease-based leader election.
+//! - [`metrics`]: Prometheus metrics (`tollgate_controller_*`).
+//! - [`args`], [`runtime`]: flags and wiring.
+
+#![forbid(unsafe_code)]
+#![deny(rust_2018_idioms)]
+
+pub mod args;
+pub mod auth;
+pub mod index;
+pub mod leader;
+pub mod membership;
+pub mod metrics;
+pub mod runtime;
+pub mod server;
+pub mod status;
+
+#[cfg(test)]
+pub(crate) mod test_util;

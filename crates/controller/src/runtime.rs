@@ -1,0 +1,404 @@
+//! Wiring: the Kubernetes client, one watch task per kind (and namespace), the index, the
+//! rule-stream server, leader election and the status writer.
+
+use std::hash::{BuildHasher, Hasher};
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+use kube::core::{DeserializeGuard, PartialObjectMeta};
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tollgate_crd::RateLimitPolicy;
+use tracing::Instrument;
+
+use crate::args::{Args, LogFormat};
+use crate::auth::TokenReviewAuthenticator;
+use crate::index::{Index, PodInput, PolicyInput, SharedIndex};
+use crate::leader::{self, LeaseConfig};
+use crate::metrics::Metrics;
+use crate::server::{Server, ServerConfig};
+use crate::status::StatusWriter;
+
+/// A random identifier for this controller process (32 hex characters). Versions are only
+/// comparable within one epoch.
+pub fn new_epoch() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let mut out = String::with_capacity(32);
+    for i in 0u8..2 {
+        // RandomState is seeded from the OS's randomness.
+        let mut h = std::hash::RandomState::new().build_hasher();
+        h.write_u128(nanos);
+        h.write_u32(std::process::id());
+        h.write_u8(i);
+        out.push_str(&format!("{:016x}", h.finish()));
+    }
+    out
+}
+
+/// Sets up logging from the flags (`RUST_LOG` wins over `--log`).
+pub fn init_tracing(args: &Args) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(&args.log))
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi);
+    let _ = match args.log_format {
+        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Plain => builder.try_init(),
+    };
+}
+
+/// Runs the controller until SIGTERM or Ctrl-C.
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    init_tracing(&args);
+    let client = kube::Client::try_default().await.context(
+        "cannot configure a Kubernetes client (in-cluster service account or KUBECONFIG)",
+    )?;
+    let identity = args
+        .identity
+        .clone()
+        .or_else(|| std::env::var("POD_NAME").ok())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "tollgate-controller".to_string());
+    let epoch = new_epoch();
+    tracing::info!(%epoch, %identity, listen = %args.listen, namespaces = ?args.namespaces, "starting tollgate-controller");
+
+    let index = Index::shared(epoch);
+    let (metrics, registry) = Metrics::new(index.clone());
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+
+    // Watches: one per kind and namespace (or one per kind for all namespaces).
+    let scopes: Vec<Option<String>> = if args.namespaces.is_empty() {
+        vec![None]
+    } else {
+        args.namespaces.iter().cloned().map(Some).collect()
+    };
+    let mut synced = Vec::new();
+    for scope in &scopes {
+        let span_ns = scope.clone().unwrap_or_else(|| "*".to_string());
+        let (tx, rx) = watch::channel(false);
+        synced.push(rx);
+        tokio::spawn(
+            watch_policies(
+                client.clone(),
+                scope.clone(),
+                index.clone(),
+                metrics.clone(),
+                tx,
+            )
+            .instrument(tracing::info_span!("policies", namespace = %span_ns)),
+        );
+        let (tx, rx) = watch::channel(false);
+        synced.push(rx);
+        tokio::spawn(
+            watch_pods(
+                client.clone(),
+                scope.clone(),
+                args.pod_selector.clone(),
+                index.clone(),
+                metrics.clone(),
+                tx,
+            )
+            .instrument(tracing::info_span!("pods", namespace = %span_ns)),
+        );
+    }
+    let (ready_tx, ready_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        for mut rx in synced {
+            if rx.wait_for(|s| *s).await.is_err() {
+                return;
+            }
+        }
+        tracing::info!("initial list of policies and pods synced: ready");
+        ready_tx.send_replace(true);
+        // Keep the channel open for the life of the process.
+        std::future::pending::<()>().await;
+    });
+
+    // Leader election.
+    let (leader_tx, leader_rx) = watch::channel(false);
+    let leader_task = if args.leader_election {
+        let lease = LeaseConfig {
+            name: args.lease_name.clone(),
+            namespace: args
+                .lease_namespace
+                .clone()
+                .unwrap_or_else(|| client.default_namespace().to_string()),
+            identity: identity.clone(),
+            duration: args.lease_duration,
+            grace: (args.lease_duration / 3).max(std::time::Duration::from_secs(1)),
+        };
+        Some(tokio::spawn(
+            leader::run(
+                client.clone(),
+                lease,
+                leader_tx,
+                metrics.clone(),
+                shutdown_rx.clone(),
+            )
+            .instrument(tracing::info_span!("leader")),
+        ))
+    } else {
+        leader_tx.send_replace(true);
+        metrics.set_leader(true);
+        // Keep the sender alive so the status writer does not see a closed channel.
+        tokio::spawn(async move {
+            let _keep = leader_tx;
+            std::future::pending::<()>().await;
+        });
+        None
+    };
+
+    // Status writer (acts only while leading).
+    let writer = StatusWriter::new(
+        client.clone(),
+        index.clone(),
+        metrics.clone(),
+        identity.clone(),
+        args.status_min_interval,
+    );
+    let status_task = tokio::spawn(
+        writer
+            .run(leader_rx, shutdown_rx.clone())
+            .instrument(tracing::info_span!("status")),
+    );
+
+    // The rule-stream server.
+    let auth = Arc::new(
+        TokenReviewAuthenticator::new(
+            client.clone(),
+            args.token_audiences.clone(),
+            args.token_cache_ttl,
+        )
+        .with_metrics(metrics.clone()),
+    );
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let server = Server::new(
+        index,
+        auth,
+        metrics,
+        registry,
+        ServerConfig {
+            heartbeat: args.heartbeat_interval,
+            unknown_pod_grace: args.unknown_pod_grace,
+            shutdown_grace: args.shutdown_grace,
+        },
+        ready_rx,
+    );
+    let signal = {
+        let tx = shutdown_tx.clone();
+        async move {
+            shutdown_signal().await;
+            tracing::info!("shutting down: closing rule streams");
+            tx.send_replace(true);
+        }
+    };
+    server.serve(listener, signal).await?;
+    shutdown_tx.send_replace(true);
+    if let Some(task) = leader_task {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(10), task).await;
+    }
+    status_task.abort();
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        #[cfg(unix)]
+        {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
+            }
+        }
+        #[cfg(not(unix))]
+        std::future::pending::<()>().await
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+    }
+}
+
+/// Feeds RateLimitPolicy watch events into the index. Objects that do not decode are indexed
+/// as invalid (their last good version stays in force); nothing stops the loop.
+async fn watch_policies(
+    client: kube::Client,
+    scope: Option<String>,
+    index: SharedIndex,
+    metrics: Metrics,
+    synced: watch::Sender<bool>,
+) {
+    let api: Api<DeserializeGuard<RateLimitPolicy>> = match &scope {
+        Some(ns) => Api::namespaced(client, ns),
+        None => Api::all(client),
+    };
+    let mut stream = pin!(watcher::watcher(api, watcher::Config::default()).default_backoff());
+    let mut buffer: Vec<PolicyInput> = Vec::new();
+    let mut logged = std::collections::HashMap::<(String, String), Option<i64>>::new();
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(Event::Apply(obj)) => {
+                if let Some(input) = policy_input(&obj) {
+                    log_compile(&input, &mut logged);
+                    index.write().apply_policy(input);
+                    metrics.watch_event("policy", "apply");
+                }
+            }
+            Ok(Event::Delete(obj)) => {
+                let meta = guard_metadata(&obj);
+                if let (Some(ns), Some(name)) = (&meta.namespace, &meta.name) {
+                    logged.remove(&(ns.clone(), name.clone()));
+                    index.write().delete_policy(ns, name);
+                    metrics.watch_event("policy", "delete");
+                    tracing::info!(namespace = %ns, policy = %name, "policy deleted");
+                }
+            }
+            Ok(Event::Init) => buffer.clear(),
+            Ok(Event::InitApply(obj)) => {
+                if let Some(input) = policy_input(&obj) {
+                    log_compile(&input, &mut logged);
+                    buffer.push(input);
+                }
+            }
+            Ok(Event::InitDone) => {
+                let items = std::mem::take(&mut buffer);
+                let n = items.len();
+                index.write().reset_policies(scope.as_deref(), items);
+                metrics.watch_event("policy", "resync");
+                tracing::info!(policies = n, "policies listed");
+                synced.send_replace(true);
+            }
+            Err(error) => {
+                metrics.watch_error("policy");
+                tracing::warn!(%error, "RateLimitPolicy watch failed; retrying (is the CRD installed and may this service account list and watch it?)");
+            }
+        }
+    }
+}
+
+fn guard_metadata(
+    obj: &DeserializeGuard<RateLimitPolicy>,
+) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+    match &obj.0 {
+        Ok(p) => &p.metadata,
+        Err(invalid) => &invalid.metadata,
+    }
+}
+
+fn policy_input(obj: &DeserializeGuard<RateLimitPolicy>) -> Option<PolicyInput> {
+    match &obj.0 {
+        Ok(policy) => PolicyInput::from_policy(policy),
+        Err(invalid) => PolicyInput::undecodable(&invalid.metadata, &invalid.error),
+    }
+}
+
+/// Logs compile errors once per generation.
+fn log_compile(
+    input: &PolicyInput,
+    logged: &mut std::collections::HashMap<(String, String), Option<i64>>,
+) {
+    let key = (input.namespace.clone(), input.name.clone());
+    match &input.compiled {
+        Ok(_) => {
+            if logged.remove(&key).is_some() {
+                tracing::info!(namespace = %input.namespace, policy = %input.name, generation = ?input.generation, "policy compiles again");
+            }
+        }
+        Err(errors) => {
+            if logged.get(&key) != Some(&input.generation) {
+                logged.insert(key, input.generation);
+                let errors: Vec<String> = errors.iter().map(ToString::to_string).collect();
+                tracing::warn!(namespace = %input.namespace, policy = %input.name, generation = ?input.generation, errors = %errors.join("; "), "policy rejected; its last good version stays in force");
+            }
+        }
+    }
+}
+
+/// Feeds pod metadata (labels only) into the index.
+async fn watch_pods(
+    client: kube::Client,
+    scope: Option<String>,
+    selector: Option<String>,
+    index: SharedIndex,
+    metrics: Metrics,
+    synced: watch::Sender<bool>,
+) {
+    // `PartialObjectMeta` makes the watch metadata-only: labels are all the index needs.
+    let api: Api<PartialObjectMeta<Pod>> = match &scope {
+        Some(ns) => Api::namespaced(client, ns),
+        None => Api::all(client),
+    };
+    let mut config = watcher::Config::default();
+    if let Some(sel) = &selector {
+        config = config.labels(sel);
+    }
+    let mut stream = pin!(watcher::watcher(api, config).default_backoff());
+    let mut buffer: Vec<PodInput> = Vec::new();
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(Event::Apply(obj)) => {
+                if let Some(input) = pod_input(&obj) {
+                    index.write().apply_pod(input);
+                    metrics.watch_event("pod", "apply");
+                }
+            }
+            Ok(Event::Delete(obj)) => {
+                if let (Some(ns), Some(name)) = (&obj.metadata.namespace, &obj.metadata.name) {
+                    index.write().delete_pod(ns, name);
+                    metrics.watch_event("pod", "delete");
+                }
+            }
+            Ok(Event::Init) => buffer.clear(),
+            Ok(Event::InitApply(obj)) => buffer.extend(pod_input(&obj)),
+            Ok(Event::InitDone) => {
+                let items = std::mem::take(&mut buffer);
+                let n = items.len();
+                index.write().reset_pods(scope.as_deref(), items);
+                metrics.watch_event("pod", "resync");
+                tracing::info!(pods = n, "pods listed");
+                synced.send_replace(true);
+            }
+            Err(error) => {
+                metrics.watch_error("pod");
+                tracing::warn!(%error, "pod watch failed; retrying");
+            }
+        }
+    }
+}
+
+fn pod_input(obj: &PartialObjectMeta<Pod>) -> Option<PodInput> {
+    PodInput::from_metadata(&obj.metadata)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn epochs_are_random_hex() {
+        let a = new_epoch();
+        let b = new_epoch();
+        assert_eq!(a.len(), 32);
+        assert!(a.bytes().all(|c| c.is_ascii_hexdigit()));
+        assert_ne!(a, b);
+    }
+}
