@@ -24,7 +24,14 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>) {
         let shared = Arc::clone(&shared);
         let service = hyper::service::service_fn(move |req| {
             let shared = Arc::clone(&shared);
-            async move { Ok::<_, Infallible>(route(&shared, &req)) }
+            async move {
+                let resp = if req.uri().path() == "/debug/log-level" {
+                    log_level(req).await
+                } else {
+                    route(&shared, &req)
+                };
+                Ok::<_, Infallible>(resp)
+            }
         });
         let conn = builder
             .serve_connection(TokioIo::new(stream), service)
@@ -82,6 +89,44 @@ fn route(shared: &Shared, req: &Request<Incoming>) -> Response<Full<Bytes>> {
             "configError": shared.config_error.load().as_deref(),
         })),
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
+    }
+}
+
+/// `PUT /debug/log-level` with a filter such as `debug` or `info,tollgate::audit=off` changes the
+/// log filter without a restart; `GET` explains the usage.
+async fn log_level(req: Request<Incoming>) -> Response<Full<Bytes>> {
+    use http_body_util::BodyExt;
+    if req.method() != http::Method::PUT {
+        return text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "PUT a filter such as `debug` or `info,tollgate::audit=off`\n",
+        );
+    }
+    let body = match http_body_util::Limited::new(req.into_body(), 4096)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(_) => return text(StatusCode::PAYLOAD_TOO_LARGE, "filter too long\n"),
+    };
+    let directives = String::from_utf8_lossy(&body).trim().to_string();
+    match crate::telemetry::set_log_filter(&directives) {
+        Ok(()) => {
+            tracing::info!(filter = %directives, "log filter changed");
+            let mut resp = Response::new(Full::new(Bytes::from(format!(
+                "log filter: {directives}\n"
+            ))));
+            resp.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; charset=utf-8"),
+            );
+            resp
+        }
+        Err(e) => {
+            let mut resp = Response::new(Full::new(Bytes::from(format!("invalid filter: {e}\n"))));
+            *resp.status_mut() = StatusCode::BAD_REQUEST;
+            resp
+        }
     }
 }
 

@@ -168,6 +168,11 @@ pub struct RunArgs {
     #[arg(long, env = "TOLLGATE_MEMBERSHIP_TTL", default_value = "5s", value_parser = parse_duration)]
     pub membership_ttl: Duration,
 
+    /// Export traces over OTLP/HTTP to this collector (e.g. http://otel-collector:4318). Off by
+    /// default; when off no span is created on the request path.
+    #[arg(long, env = "TOLLGATE_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+
     /// Log format: json (default, for log pipelines) or text.
     #[arg(long, env = "TOLLGATE_LOG_FORMAT", default_value = "json")]
     pub log_format: LogFormat,
@@ -223,6 +228,7 @@ fn run_blocking(args: RunArgs, demo: bool) -> std::process::ExitCode {
             app::run(args, shutdown_signal()).await.map(|_| ())
         }
     });
+    crate::telemetry::shutdown();
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -234,19 +240,14 @@ fn run_blocking(args: RunArgs, demo: bool) -> std::process::ExitCode {
 }
 
 fn init_logging(args: &RunArgs) {
-    let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = match args.log_format {
-        LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(false)
-            .try_init(),
-        LogFormat::Text => builder.try_init(),
-    };
+    if let Err(e) = crate::telemetry::init(
+        &args.log,
+        args.log_format == LogFormat::Json,
+        args.otlp_endpoint.as_deref(),
+        "tollgate-sidecar",
+    ) {
+        eprintln!("tollgate-sidecar: telemetry: {e}");
+    }
 }
 
 /// Resolves on SIGTERM or Ctrl-C.

@@ -14,3 +14,4 @@ pub mod metrics;
 pub mod proxy;
 pub mod response;
 pub mod rules;
+pub mod telemetry;

@@ -30,6 +30,8 @@ use crate::audit::AuditLog;
 use crate::metrics::Metrics;
 use crate::response;
 use crate::rules::{KeyHasher, RuleSet};
+use crate::telemetry;
+use tracing::Instrument;
 
 /// Settings of the proxy path.
 #[derive(Clone, Debug)]
@@ -198,6 +200,23 @@ pub async fn handle(
     peer: SocketAddr,
     req: Request<Incoming>,
 ) -> Response<ProxyBody> {
+    if !telemetry::enabled() {
+        return handle_inner(shared, peer, req, None).await;
+    }
+    let span = telemetry::request_span(req.method(), req.uri().path(), req.headers());
+    let resp = handle_inner(shared, peer, req, Some(&span))
+        .instrument(span.clone())
+        .await;
+    span.record("http.response.status_code", resp.status().as_u16());
+    resp
+}
+
+async fn handle_inner(
+    shared: Arc<Shared>,
+    peer: SocketAddr,
+    req: Request<Incoming>,
+    span: Option<&tracing::Span>,
+) -> Response<ProxyBody> {
     let rules = shared.rules.load_full();
     let started = shared.clock.now();
     let (parts, body) = req.into_parts();
@@ -216,6 +235,18 @@ pub async fn handle(
         .decision_seconds
         .observe(decided.saturating_sub(started) as f64 / 1e9);
 
+    if let Some(span) = span {
+        let (decision, rule) = match (&verdict.unavailable, &verdict.rejected, &verdict.tightest) {
+            (Some(ri), _, _) => ("unavailable", Some(*ri)),
+            (_, Some(r), _) => ("rejected", Some(r.limited.rule)),
+            (_, _, Some(t)) => ("allowed", Some(t.rule)),
+            _ => ("unlimited", None),
+        };
+        span.record("tollgate.decision", decision);
+        if let Some(ri) = rule {
+            span.record("tollgate.rule", rules.rules[ri].rule.id.as_str());
+        }
+    }
     if let Some(ri) = verdict.unavailable {
         let rule = &rules.rules[ri];
         let mut resp = response::problem(
@@ -245,10 +276,13 @@ pub async fn handle(
     }
 
     let inbound_upgrade = is_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
-    let upstream_req = match to_upstream(req, &peer, &shared) {
+    let mut upstream_req = match to_upstream(req, &peer, &shared) {
         Ok(r) => r,
         Err(resp) => return local(resp),
     };
+    if let Some(span) = span {
+        telemetry::inject(span, upstream_req.headers_mut());
+    }
     let t0 = shared.clock.now();
     let result = tokio::time::timeout(
         shared.config.upstream_timeout,

@@ -1,0 +1,134 @@
+//! Logs and OpenTelemetry traces.
+//!
+//! Logs are structured (JSON by default) with a filter that can be changed at runtime through
+//! the admin port (`PUT /debug/log-level`). Traces are off unless an OTLP endpoint is
+//! configured; when off, the request path checks one atomic flag and creates no span at all.
+//! When on, every proxied request gets a span carrying the decision and the rule, continues the
+//! caller's W3C trace context, and passes its own context on to the upstream; Redis lease calls
+//! get spans too.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use http::HeaderMap;
+use opentelemetry::trace::TracerProvider as _;
+use tracing::Span;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer, reload};
+
+/// Target of trace spans; only these reach the OpenTelemetry layer.
+pub const TRACE_TARGET: &str = "tollgate::trace";
+
+static ENABLED: AtomicBool = AtomicBool::new(false);
+static PROVIDER: OnceLock<opentelemetry_sdk::trace::SdkTracerProvider> = OnceLock::new();
+static FILTER: OnceLock<reload::Handle<EnvFilter, tracing_subscriber::Registry>> = OnceLock::new();
+
+/// Whether traces are exported (checked on the hot path before creating any span).
+#[inline]
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// Sets up logging and, with `otlp_endpoint`, trace export over OTLP/HTTP (protobuf).
+pub fn init(
+    log_filter: &str,
+    json: bool,
+    otlp_endpoint: Option<&str>,
+    service: &str,
+) -> Result<(), String> {
+    let filter = EnvFilter::try_new(log_filter).unwrap_or_else(|_| EnvFilter::new("info"));
+    let (filter, handle) = reload::Layer::new(filter);
+    let _ = FILTER.set(handle);
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let fmt = if json {
+        fmt.json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(false)
+            .boxed()
+    } else {
+        fmt.boxed()
+    };
+    let otel = match otlp_endpoint {
+        None => None,
+        Some(endpoint) => {
+            use opentelemetry_otlp::WithExportConfig;
+            let exporter = opentelemetry_otlp::SpanExporter::builder()
+                .with_http()
+                .with_endpoint(format!("{}/v1/traces", endpoint.trim_end_matches('/')))
+                .build()
+                .map_err(|e| format!("--otlp-endpoint {endpoint}: {e}"))?;
+            let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+                .with_batch_exporter(exporter)
+                .with_resource(
+                    opentelemetry_sdk::Resource::builder()
+                        .with_service_name(service.to_string())
+                        .build(),
+                )
+                .build();
+            let tracer = provider.tracer(service.to_string());
+            let _ = PROVIDER.set(provider);
+            opentelemetry::global::set_text_map_propagator(
+                opentelemetry_sdk::propagation::TraceContextPropagator::new(),
+            );
+            ENABLED.store(true, Ordering::Relaxed);
+            Some(
+                tracing_opentelemetry::layer()
+                    .with_tracer(tracer)
+                    .with_filter(tracing_subscriber::filter::filter_fn(|m| {
+                        m.target() == TRACE_TARGET
+                    })),
+            )
+        }
+    };
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt)
+        .with(otel)
+        .try_init()
+        .map_err(|e| e.to_string())
+}
+
+/// Changes the log filter at runtime (e.g. `debug` or `info,tollgate::audit=off`).
+pub fn set_log_filter(directives: &str) -> Result<(), String> {
+    let filter = EnvFilter::try_new(directives).map_err(|e| e.to_string())?;
+    let handle = FILTER.get().ok_or("logging is not initialised")?;
+    handle.reload(filter).map_err(|e| e.to_string())
+}
+
+/// Flushes pending spans (called on shutdown).
+pub fn shutdown() {
+    if let Some(p) = PROVIDER.get() {
+        let _ = p.shutdown();
+    }
+}
+
+/// The span of one proxied request, continuing the caller's trace context.
+pub fn request_span(method: &http::Method, path: &str, headers: &HeaderMap) -> Span {
+    let span = tracing::info_span!(
+        target: TRACE_TARGET,
+        "proxy",
+        otel.name = "tollgate proxy",
+        otel.kind = "server",
+        http.request.method = %method,
+        url.path = %path,
+        tollgate.decision = tracing::field::Empty,
+        tollgate.rule = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+    );
+    let parent = opentelemetry::global::get_text_map_propagator(|p| {
+        p.extract(&opentelemetry_http::HeaderExtractor(headers))
+    });
+    let _ = span.set_parent(parent);
+    span
+}
+
+/// Writes the current span's context (`traceparent`) into the upstream request's headers.
+pub fn inject(span: &Span, headers: &mut HeaderMap) {
+    let cx = span.context();
+    opentelemetry::global::get_text_map_propagator(|p| {
+        p.inject_context(&cx, &mut opentelemetry_http::HeaderInjector(headers))
+    });
+}

@@ -1,0 +1,153 @@
+//! Traces reach a real OTLP/HTTP endpoint (an in-test collector decoding the protobuf export),
+//! continue the caller's trace, and are passed on to the upstream; the log filter can be
+//! changed at runtime.
+
+mod common;
+
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use prost::Message;
+use tokio::net::TcpListener;
+
+/// Starts an HTTP server that records every request's headers and body, answering 200.
+async fn recorder() -> (String, Arc<Mutex<Vec<(http::HeaderMap, Bytes)>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen: Arc<Mutex<Vec<(http::HeaderMap, Bytes)>>> = Arc::default();
+    let seen2 = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let seen = seen2.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                    let seen = seen.clone();
+                    async move {
+                        let headers = req.headers().clone();
+                        let body = req
+                            .into_body()
+                            .collect()
+                            .await
+                            .map(|b| b.to_bytes())
+                            .unwrap_or_default();
+                        seen.lock().unwrap().push((headers, body));
+                        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
+                    }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(
+                    hyper_util::rt::TokioExecutor::new(),
+                )
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+            });
+        }
+    });
+    (format!("http://{addr}"), seen)
+}
+
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const PARENT_ID: &str = "00f067aa0ba902b7";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_are_exported_and_trace_context_propagates() {
+    within(60, async {
+        let (collector, exports) = recorder().await;
+        let (app, app_seen) = recorder().await;
+        let p = policy("traced", "rules:\n- name: per-client\n  key: [{header: x-api-key}]\n  limit: {requests: 1, period: 1m}\n  scope: Local\n");
+        let mut s = Sidecar::start(&app, &p, &["--otlp-endpoint", &collector]).await;
+        let c = client();
+        let traceparent = format!("00-{TRACE_ID}-{PARENT_ID}-01");
+        let ok = c.get(s.url("/a")).header("traceparent", &traceparent).header("x-api-key", "k").send().await.unwrap();
+        assert_eq!(ok.status(), 200);
+        let limited = c.get(s.url("/a")).header("traceparent", &traceparent).header("x-api-key", "k").send().await.unwrap();
+        assert_eq!(limited.status(), 429);
+
+        // The upstream sees the same trace, with the sidecar's span as the parent.
+        let forwarded = app_seen.lock().unwrap()[0].0.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_string).expect("traceparent forwarded");
+        let parts: Vec<&str> = forwarded.split('-').collect();
+        assert_eq!(parts[1], TRACE_ID, "{forwarded}");
+        assert_ne!(parts[2], PARENT_ID, "the sidecar's own span must be the parent: {forwarded}");
+
+        // Shutdown flushes the batch exporter.
+        s.terminate();
+        s.wait_exit(Duration::from_secs(15)).await;
+        let mut spans = Vec::new();
+        for (headers, body) in exports.lock().unwrap().iter() {
+            assert_eq!(headers.get("content-type").unwrap(), "application/x-protobuf");
+            let req = ExportTraceServiceRequest::decode(body.as_ref()).expect("OTLP protobuf");
+            for rs in req.resource_spans {
+                for ss in rs.scope_spans {
+                    spans.extend(ss.spans);
+                }
+            }
+        }
+        let proxy: Vec<_> = spans.iter().filter(|s| s.name == "tollgate proxy").collect();
+        assert_eq!(proxy.len(), 2, "one span per request: {:?}", spans.iter().map(|s| &s.name).collect::<Vec<_>>());
+        let attr = |span: &opentelemetry_proto::tonic::trace::v1::Span, key: &str| -> Option<String> {
+            span.attributes.iter().find(|a| a.key == key).and_then(|a| a.value.as_ref()).map(|v| format!("{:?}", v.value))
+        };
+        let decisions: Vec<String> = proxy.iter().filter_map(|s| attr(s, "tollgate.decision")).collect();
+        assert!(decisions.iter().any(|d| d.contains("allowed")) && decisions.iter().any(|d| d.contains("rejected")), "{decisions:?}");
+        for span in &proxy {
+            assert_eq!(hex(&span.trace_id), TRACE_ID, "continues the caller's trace");
+            assert_eq!(hex(&span.parent_span_id), PARENT_ID);
+            assert!(attr(span, "tollgate.rule").is_some_and(|r| r.contains("test/traced/per-client")));
+        }
+    })
+    .await;
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_filter_changes_at_runtime() {
+    within(30, async {
+        let upstream = Upstream::start().await;
+        let p = policy(
+            "logs",
+            "rules:\n- name: r\n  limit: {requests: 100, period: 1s}\n  scope: Local\n",
+        );
+        let s = Sidecar::start(&upstream.url(), &p, &[]).await;
+        let c = client();
+        let r = c
+            .put(s.admin_url("/debug/log-level"))
+            .body("debug")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        poll_until(
+            Duration::from_secs(5),
+            "the change to be logged",
+            || async {
+                s.logs()
+                    .iter()
+                    .any(|l| l.contains("log filter changed"))
+                    .then_some(())
+            },
+        )
+        .await;
+        let bad = c
+            .put(s.admin_url("/debug/log-level"))
+            .body("info,[[[")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(bad.status(), 400);
+        let get = c.get(s.admin_url("/debug/log-level")).send().await.unwrap();
+        assert_eq!(get.status(), 405);
+    })
+    .await;
+}
