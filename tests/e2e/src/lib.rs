@@ -172,3 +172,175 @@ fn which(bin: &str) -> bool {
     std::env::var_os("PATH")
         .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(bin).is_file()))
 }
+
+/// A binary of this workspace, built next to the test executables (`cargo test --workspace`
+/// builds every package's binaries before running tests).
+pub fn workspace_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> → target/<profile>/<name>
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|d| d.join(name))
+        .unwrap_or_else(|| PathBuf::from(name));
+    assert!(
+        bin.is_file(),
+        "{} is missing: build the workspace first (`cargo test --workspace --no-run`, as ./tools/test-all.sh does)",
+        bin.display()
+    );
+    bin
+}
+
+/// A free TCP port on 127.0.0.1 (the kernel picks it; the listener is closed before return).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// A child process whose stderr is collected in the background; killed (by PID) on drop.
+pub struct Proc {
+    child: std::process::Child,
+    pub pid: u32,
+    logs: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    name: String,
+}
+
+impl Proc {
+    /// Spawns `cmd` with stderr captured.
+    pub fn spawn(name: &str, mut cmd: Command) -> Proc {
+        use std::io::BufRead;
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+        let pid = child.id();
+        let logs = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        // Both streams are collected: some programs log to stdout, some to stderr.
+        let readers: Vec<Box<dyn std::io::Read + Send>> = [
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        for reader in readers {
+            let logs = logs.clone();
+            std::thread::spawn(move || {
+                for line in std::io::BufReader::new(reader).lines() {
+                    let Ok(line) = line else { break };
+                    if let Ok(mut l) = logs.lock() {
+                        l.push(line);
+                    }
+                }
+            });
+        }
+        Proc {
+            child,
+            pid,
+            logs,
+            name: name.to_string(),
+        }
+    }
+
+    /// Waits until a log line contains `needle`; panics with the log after `timeout`.
+    pub fn wait_for_log(&self, needle: &str, timeout: std::time::Duration) -> String {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(line) = self.logs().into_iter().find(|l| l.contains(needle)) {
+                return line;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} did not log {needle:?} within {timeout:?}; log:\n{}",
+                self.name,
+                self.logs().join("\n")
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
+    pub fn logs(&self) -> Vec<String> {
+        self.logs.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// SIGTERM, then wait up to `timeout` for a clean exit (SIGKILL after that).
+    pub fn stop(&mut self, timeout: std::time::Duration) -> Option<std::process::ExitStatus> {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.pid.to_string()])
+            .status();
+        let deadline = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        self.child.wait().ok()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            let logs = self.logs();
+            let tail = &logs[logs.len().saturating_sub(40)..];
+            eprintln!(
+                "--- last log lines of {} ---\n{}",
+                self.name,
+                tail.join("\n")
+            );
+        }
+    }
+}
+
+/// A `redis-server` on a free loopback port.
+pub fn redis_server() -> (Proc, u16) {
+    let port = free_port();
+    let dir = std::env::temp_dir().join(format!("tollgate-e2e-redis-{port}"));
+    let _ = std::fs::create_dir_all(&dir);
+    let mut cmd = Command::new("redis-server");
+    cmd.args([
+        "--port",
+        &port.to_string(),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--loglevel",
+        "verbose",
+    ])
+    .arg("--dir")
+    .arg(&dir);
+    let p = Proc::spawn("redis-server", cmd);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let pong = Command::new("redis-cli")
+            .args(["-p", &port.to_string(), "PING"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "PONG")
+            .unwrap_or(false);
+        if pong {
+            return (p, port);
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "redis-server did not answer PING (install it: apt-get install redis-server; ./tools/test-all.sh does)"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

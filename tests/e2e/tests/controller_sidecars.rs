@@ -1,0 +1,348 @@
+//! The whole control path on real processes: kube-apiserver + etcd, tollgate-controller, three
+//! tollgate-sidecar processes standing in for pods that exist as API objects, and redis-server.
+//! `kubectl apply` reaches every sidecar, a global limit holds across them, status reports it,
+//! edits propagate within a second, deletion lifts limits, and a controller restart changes
+//! nothing for traffic.
+
+use std::io::{Read, Write};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tollgate_e2e::{ControlPlane, Proc, free_port, redis_server, repo_root, workspace_bin};
+
+/// An upstream app answering 200 to everything (one request per connection).
+fn app() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind app");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { continue };
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                let mut seen = Vec::new();
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = s.write_all(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+                );
+            });
+        }
+    });
+    port
+}
+
+fn policy(requests: u64) -> String {
+    format!(
+        r#"apiVersion: tollgate.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {{name: shop-api-keys, namespace: shop}}
+spec:
+  targetRef:
+    selector: {{matchLabels: {{app: shop-api}}}}
+  rules:
+  - name: per-api-key
+    key: [{{header: x-api-key}}]
+    limit: {{requests: {requests}, period: 1m}}
+"#
+    )
+}
+
+struct Sidecar {
+    proc: Proc,
+    listen: u16,
+    admin: u16,
+}
+
+fn get(client: &reqwest::blocking::Client, url: &str, key: &str) -> u16 {
+    client
+        .get(url)
+        .header("x-api-key", key)
+        .send()
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0)
+}
+
+/// Polls `f` every 20 ms until it is true; returns the time it took.
+fn wait(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    start.elapsed()
+}
+
+fn condition(cp: &ControlPlane, ty: &str) -> String {
+    let out = cp.kubectl(&[
+        "get",
+        "rlp",
+        "-n",
+        "shop",
+        "shop-api-keys",
+        "-o",
+        &format!("jsonpath={{.status.conditions[?(@.type==\"{ty}\")].status}}"),
+    ]);
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[test]
+fn policies_reach_sidecars_hold_globally_and_report_status() {
+    let cp = ControlPlane::start();
+    let crd = repo_root().join("manifests/crds/tollgate.dev_ratelimitpolicies.yaml");
+    cp.ok(&["apply", "-f", crd.to_str().unwrap()]);
+    cp.ok(&[
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/ratelimitpolicies.tollgate.dev",
+    ]);
+    cp.ok(&["create", "namespace", "shop"]);
+    cp.ok(&["create", "serviceaccount", "app", "-n", "shop"]);
+
+    // Three pods as API objects (no kubelet runs them), each with a bound token.
+    let dir = tempfile::tempdir().unwrap();
+    let mut tokens = Vec::new();
+    for i in 0..3 {
+        let pod = format!(
+            r#"{{"apiVersion":"v1","kind":"Pod","metadata":{{"name":"p{i}","namespace":"shop","labels":{{"app":"shop-api"}}}},"spec":{{"serviceAccountName":"app","containers":[{{"name":"app","image":"example.invalid/app"}}]}}}}"#
+        );
+        cp.apply(&pod).expect("create pod");
+        let uid = cp.ok(&[
+            "get",
+            "pod",
+            &format!("p{i}"),
+            "-n",
+            "shop",
+            "-o",
+            "jsonpath={.metadata.uid}",
+        ]);
+        let token = cp.ok(&[
+            "create",
+            "token",
+            "app",
+            "-n",
+            "shop",
+            "--bound-object-kind",
+            "Pod",
+            "--bound-object-name",
+            &format!("p{i}"),
+            "--bound-object-uid",
+            uid.trim(),
+            "--duration",
+            "1h",
+        ]);
+        let path = dir.path().join(format!("token-{i}"));
+        std::fs::write(&path, token.trim()).unwrap();
+        tokens.push(path);
+    }
+
+    let (_redis, redis_port) = redis_server();
+    let app_port = app();
+    let controller_port = free_port();
+    let start_controller = || {
+        let mut cmd = Command::new(workspace_bin("tollgate-controller"));
+        cmd.args([
+            "--listen",
+            &format!("127.0.0.1:{controller_port}"),
+            "--lease-namespace",
+            "default",
+            "--heartbeat-interval",
+            "1s",
+        ])
+        .env("KUBECONFIG", cp.kubeconfig());
+        let p = Proc::spawn("tollgate-controller", cmd);
+        p.wait_for_log("synced: ready", Duration::from_secs(30));
+        p
+    };
+    let mut controller = start_controller();
+
+    cp.apply(&policy(30)).expect("apply policy");
+    let mut sidecars = Vec::new();
+    for (i, token) in tokens.iter().enumerate() {
+        let (listen, admin) = (free_port(), free_port());
+        let mut cmd = Command::new(workspace_bin("tollgate-sidecar"));
+        cmd.args([
+            "--listen",
+            &format!("127.0.0.1:{listen}"),
+            "--admin",
+            &format!("127.0.0.1:{admin}"),
+            "--upstream",
+            &format!("http://127.0.0.1:{app_port}"),
+            "--controller",
+            &format!("http://127.0.0.1:{controller_port}"),
+            "--pod-name",
+            &format!("p{i}"),
+            "--pod-namespace",
+            "shop",
+            "--token-file",
+            token.to_str().unwrap(),
+            "--redis",
+            &format!("redis://127.0.0.1:{redis_port}"),
+            "--redis-timeout",
+            "200ms",
+            "--log-format",
+            "json",
+        ]);
+        let proc = Proc::spawn(&format!("tollgate-sidecar p{i}"), cmd);
+        proc.wait_for_log("tollgate-sidecar started", Duration::from_secs(30));
+        sidecars.push(Sidecar {
+            proc,
+            listen,
+            admin,
+        });
+    }
+    let client = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    for s in &sidecars {
+        wait(
+            "sidecar ready with rules from the controller",
+            Duration::from_secs(20),
+            || {
+                client
+                    .get(format!("http://127.0.0.1:{}/readyz", s.admin))
+                    .send()
+                    .map(|r| r.status() == 200)
+                    .unwrap_or(false)
+            },
+        );
+    }
+
+    // Status: Accepted, and Programmed once all three sidecars acked.
+    wait("Accepted=True", Duration::from_secs(20), || {
+        condition(&cp, "Accepted") == "True"
+    });
+    wait("Programmed=True", Duration::from_secs(20), || {
+        condition(&cp, "Programmed") == "True"
+    });
+    let synced = cp.ok(&[
+        "get",
+        "rlp",
+        "-n",
+        "shop",
+        "shop-api-keys",
+        "-o",
+        "jsonpath={.status.sidecarsInSync}",
+    ]);
+    assert_eq!(synced.trim(), "3", "sidecarsInSync");
+
+    // The 429 contract end to end, and the limit (30/min, burst 30) held across all sidecars.
+    let admitted = Arc::new(AtomicU64::new(0));
+    let mut threads = Vec::new();
+    for s in &sidecars {
+        let (port, admitted, client) = (s.listen, admitted.clone(), client.clone());
+        threads.push(std::thread::spawn(move || {
+            for _ in 0..40 {
+                if get(&client, &format!("http://127.0.0.1:{port}/"), "k1") == 200 {
+                    admitted.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+    let admitted = admitted.load(Ordering::Relaxed);
+    eprintln!("global limit 30/min across 3 sidecars: admitted {admitted} of 120");
+    assert!(
+        (30..=31).contains(&admitted),
+        "admitted {admitted}, limit 30 (+1 token of refill at most)"
+    );
+    let r = client
+        .get(format!("http://127.0.0.1:{}/", sidecars[0].listen))
+        .header("x-api-key", "k1")
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    for h in [
+        "retry-after",
+        "ratelimit-limit",
+        "ratelimit-remaining",
+        "ratelimit-reset",
+        "ratelimit-policy",
+        "ratelimit",
+    ] {
+        assert!(r.headers().contains_key(h), "429 lacks {h}");
+    }
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+
+    // Edits propagate: raise the limit and time until every sidecar admits a fresh key 50 times.
+    let mut propagation = Vec::new();
+    for (round, requests) in [(1, 60), (2, 90), (3, 120)] {
+        let t0 = Instant::now();
+        cp.apply(&policy(requests)).expect("edit policy");
+        for s in &sidecars {
+            wait(
+                "the edit to reach a sidecar",
+                Duration::from_secs(10),
+                || {
+                    let text = client
+                        .get(format!("http://127.0.0.1:{}/debug/rules", s.admin))
+                        .send()
+                        .and_then(|r| r.text())
+                        .unwrap_or_default();
+                    text.contains(&format!("\"requests\":{requests}"))
+                },
+            );
+        }
+        let took = t0.elapsed();
+        eprintln!("edit {round}: enforced by all 3 sidecars after {took:?}");
+        propagation.push(took);
+    }
+    propagation.sort();
+    assert!(
+        *propagation.last().unwrap() < Duration::from_secs(2),
+        "slowest propagation {:?}",
+        propagation.last()
+    );
+
+    // Controller restart: traffic keeps being limited by the last-known-good rules, then resyncs.
+    controller.stop(Duration::from_secs(10));
+    let during = (0..130)
+        .filter(|_| {
+            get(
+                &client,
+                &format!("http://127.0.0.1:{}/", sidecars[1].listen),
+                "k2",
+            ) == 200
+        })
+        .count();
+    assert!(
+        (120..=121).contains(&during),
+        "last-known-good limit 120 while the controller is down: {during}"
+    );
+    controller = start_controller();
+    for s in &sidecars {
+        wait(
+            "reconnect after controller restart",
+            Duration::from_secs(30),
+            || {
+                s.proc
+                    .logs()
+                    .iter()
+                    .filter(|l| l.contains("rule stream connected"))
+                    .count()
+                    >= 2
+            },
+        );
+    }
+
+    // Deleting the policy lifts the limit.
+    cp.ok(&["delete", "rlp", "-n", "shop", "shop-api-keys"]);
+    for s in &sidecars {
+        wait("limits lifted", Duration::from_secs(10), || {
+            (0..5).all(|_| get(&client, &format!("http://127.0.0.1:{}/", s.listen), "k1") == 200)
+        });
+    }
+    drop(controller);
+}
