@@ -82,6 +82,11 @@ pub struct RunArgs {
     #[arg(long, env = "TOLLGATE_MAX_KEYS_PER_RULE", default_value_t = 1_000_000)]
     pub max_keys_per_rule: usize,
 
+    /// Runtime worker threads; 0 uses the CPUs this process may run on (affinity and cgroup
+    /// quota). 1 runs the whole proxy on a single thread, which is cheapest per request.
+    #[arg(long, env = "TOLLGATE_WORKERS", default_value_t = 0)]
+    pub workers: usize,
+
     /// How often policy files are checked for changes.
     #[arg(long, env = "TOLLGATE_RELOAD_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub reload_interval: Duration,
@@ -210,11 +215,24 @@ pub fn main() -> std::process::ExitCode {
 
 fn run_blocking(args: RunArgs, demo: bool) -> std::process::ExitCode {
     init_logging(&args);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("tollgate")
-        .build()
-    {
+    // One worker (the usual sidecar CPU budget) runs everything on one thread: no cross-thread
+    // wake-ups or work stealing on the request path. More workers use the multi-thread runtime.
+    let workers = match args.workers {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let built = if workers == 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .enable_all()
+            .thread_name("tollgate")
+            .build()
+    };
+    let runtime = match built {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("tollgate-sidecar: cannot start runtime: {e}");

@@ -137,9 +137,12 @@ pub async fn serve(
                 };
                 let _ = stream.set_nodelay(true);
                 let shared = Arc::clone(&shared);
+                // Formatted once per connection, cloned (a refcount) per request.
+                let peer_ip = HeaderValue::from_str(&peer.ip().to_string()).ok();
                 let service = hyper::service::service_fn(move |req| {
                     let shared = Arc::clone(&shared);
-                    async move { Ok::<_, Infallible>(handle(shared, peer, req).await) }
+                    let peer_ip = peer_ip.clone();
+                    async move { Ok::<_, Infallible>(handle(shared, peer, peer_ip, req).await) }
                 });
                 let builder = builder.clone();
                 let watcher = graceful.watcher();
@@ -198,13 +201,14 @@ thread_local! {
 pub async fn handle(
     shared: Arc<Shared>,
     peer: SocketAddr,
+    peer_ip: Option<HeaderValue>,
     req: Request<Incoming>,
 ) -> Response<ProxyBody> {
     if !telemetry::enabled() {
-        return handle_inner(shared, peer, req, None).await;
+        return handle_inner(shared, peer, peer_ip, req, None).await;
     }
     let span = telemetry::request_span(req.method(), req.uri().path(), req.headers());
-    let resp = handle_inner(shared, peer, req, Some(&span))
+    let resp = handle_inner(shared, peer, peer_ip, req, Some(&span))
         .instrument(span.clone())
         .await;
     span.record("http.response.status_code", resp.status().as_u16());
@@ -214,6 +218,7 @@ pub async fn handle(
 async fn handle_inner(
     shared: Arc<Shared>,
     peer: SocketAddr,
+    peer_ip: Option<HeaderValue>,
     req: Request<Incoming>,
     span: Option<&tracing::Span>,
 ) -> Response<ProxyBody> {
@@ -276,7 +281,7 @@ async fn handle_inner(
     }
 
     let inbound_upgrade = is_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
-    let mut upstream_req = match to_upstream(req, &peer, &shared) {
+    let mut upstream_req = match to_upstream(req, &peer, peer_ip, &shared) {
         Ok(r) => r,
         Err(resp) => return local(resp),
     };
@@ -368,6 +373,7 @@ fn is_upgrade(headers: &HeaderMap) -> bool {
 fn to_upstream(
     req: Request<Incoming>,
     peer: &SocketAddr,
+    peer_ip: Option<HeaderValue>,
     shared: &Shared,
 ) -> Result<Request<Incoming>, Response<Bytes>> {
     let (mut parts, body) = req.into_parts();
@@ -405,7 +411,7 @@ fn to_upstream(
             .headers
             .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     }
-    append_forwarded_for(&mut parts.headers, peer);
+    append_forwarded_for(&mut parts.headers, peer, peer_ip);
     Ok(Request::from_parts(parts, body))
 }
 
@@ -437,10 +443,18 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-fn append_forwarded_for(headers: &mut HeaderMap, peer: &SocketAddr) {
+fn append_forwarded_for(headers: &mut HeaderMap, peer: &SocketAddr, peer_ip: Option<HeaderValue>) {
+    static XFF: HeaderName = HeaderName::from_static("x-forwarded-for");
+    // Common case: no X-Forwarded-For yet, the peer's value is already formatted.
+    if !headers.contains_key(&XFF)
+        && let Some(v) = peer_ip
+    {
+        headers.insert(XFF.clone(), v);
+        return;
+    }
     let ip = peer.ip().to_string();
     let mut combined = String::new();
-    for v in headers.get_all("x-forwarded-for") {
+    for v in headers.get_all(&XFF) {
         if let Ok(s) = v.to_str() {
             if !combined.is_empty() {
                 combined.push_str(", ");
@@ -453,7 +467,7 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer: &SocketAddr) {
     }
     combined.push_str(&ip);
     if let Ok(v) = HeaderValue::from_str(&combined) {
-        headers.insert(HeaderName::from_static("x-forwarded-for"), v);
+        headers.insert(XFF.clone(), v);
     }
 }
 

@@ -529,8 +529,9 @@ async fn strict_rules_make_one_atomic_call_per_request() {
     .await;
 }
 
-/// A TCP relay on loopback that delays every chunk by `delay` in both directions.
-async fn delaying_relay(target: u16, delay: Duration) -> u16 {
+/// A TCP relay on loopback that delays every chunk by `delay_ms` (changeable while running) in
+/// both directions.
+async fn delaying_relay(target: u16, delay_ms: Arc<AtomicU64>) -> u16 {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind relay");
@@ -540,6 +541,7 @@ async fn delaying_relay(target: u16, delay: Duration) -> u16 {
             let Ok((inbound, _)) = listener.accept().await else {
                 return;
             };
+            let delay = delay_ms.clone();
             tokio::spawn(async move {
                 let Ok(outbound) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
                 else {
@@ -547,7 +549,7 @@ async fn delaying_relay(target: u16, delay: Duration) -> u16 {
                 };
                 let (ri, wi) = inbound.into_split();
                 let (ro, wo) = outbound.into_split();
-                tokio::spawn(pump(ri, wo, delay));
+                tokio::spawn(pump(ri, wo, delay.clone()));
                 tokio::spawn(pump(ro, wi, delay));
             });
         }
@@ -558,12 +560,12 @@ async fn delaying_relay(target: u16, delay: Duration) -> u16 {
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
-    delay: Duration,
+    delay_ms: Arc<AtomicU64>,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Duration, Vec<u8>)>();
     let writer = tokio::spawn(async move {
-        while let Some((at, data)) = rx.recv().await {
+        while let Some((at, delay, data)) = rx.recv().await {
             tokio::time::sleep_until((at + delay).into()).await;
             if to.write_all(&data).await.is_err() {
                 return;
@@ -572,7 +574,8 @@ async fn pump(
     });
     let mut buf = vec![0u8; 16 * 1024];
     while let Ok(n) = from.read(&mut buf).await {
-        if n == 0 || tx.send((Instant::now(), buf[..n].to_vec())).is_err() {
+        let delay = Duration::from_millis(delay_ms.load(Ordering::Relaxed));
+        if n == 0 || tx.send((Instant::now(), delay, buf[..n].to_vec())).is_err() {
             break;
         }
     }
@@ -585,7 +588,8 @@ async fn slow_redis_keeps_hot_keys_fast_and_cold_keys_follow_their_mode() {
     within(90, async {
         let _serial = SERIAL.lock().await;
         let redis = Redis::start();
-        let relay = delaying_relay(redis.port, Duration::from_millis(50)).await;
+        let delay_ms = Arc::new(AtomicU64::new(0));
+        let relay = delaying_relay(redis.port, delay_ms.clone()).await;
         let upstream = Upstream::start().await;
         let p = global_policy(
             "slow",
@@ -596,22 +600,34 @@ async fn slow_redis_keeps_hot_keys_fast_and_cold_keys_follow_their_mode() {
         // Lease calls on the request path wait at most 10 ms; the background sync tolerates 50 ms RTT.
         let s = Sidecar::start(&upstream.url(), &p, &["--redis", &relay_url, "--redis-timeout", "10ms", "--sync-timeout", "400ms"]).await;
         let c = client();
-        // Warm the hot key: its first requests may wait for the slow Redis or fall back.
         let hot = || c.get(s.url("/open")).header("x-api-key", "hot").send();
-        for _ in 0..50 {
-            let _ = hot().await;
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        let mut lat = Vec::new();
-        for _ in 0..300 {
-            let t = Instant::now();
-            let r = hot().await.expect("hot request");
-            lat.push(t.elapsed());
-            assert_eq!(r.status(), 200);
-        }
-        lat.sort();
-        let p99 = lat[lat.len() * 99 / 100];
-        eprintln!("hot key with Redis +50 ms: p50 {:?} p99 {p99:?}", lat[lat.len() / 2]);
+        // Hot-key latency over `n` requests at ~200 rps: (p50, p99).
+        let measure = |n: usize| async move {
+            let mut lat = Vec::new();
+            for _ in 0..n {
+                let t = Instant::now();
+                let r = hot().await.expect("hot request");
+                lat.push(t.elapsed());
+                assert_eq!(r.status(), 200);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            lat.sort();
+            (lat[lat.len() / 2], lat[lat.len() * 99 / 100])
+        };
+        measure(50).await; // warm the lease
+        let (base_p50, base_p99) = measure(300).await;
+        delay_ms.store(50, Ordering::Relaxed);
+        measure(50).await; // let syncs settle on the slow path
+        let calls = |m: &str| metric(m, "tollgate_lease_calls_total", &[]).unwrap_or(0.0);
+        let before = calls(&s.metrics(&c).await);
+        let (p50, p99) = measure(300).await;
+        let waited = calls(&s.metrics(&c).await) - before;
+        eprintln!("hot key: {waited} requests of 300 waited on Redis while it was slow");
+        assert!(waited <= 1.0, "hot-key requests waited on the slow Redis {waited} times");
+        eprintln!(
+            "hot key, Redis +50 ms: p50 {p50:?} p99 {p99:?}; no fault: p50 {base_p50:?} p99 {base_p99:?}; p99 ratio {:.2}",
+            p99.as_secs_f64() / base_p99.as_secs_f64()
+        );
         assert!(p99 < Duration::from_millis(40), "hot keys must not wait for Redis: p99 {p99:?}");
         // Cold keys: fail per mode after the tight timeout, never after the 50 ms RTT.
         for i in 0..10 {
@@ -732,6 +748,89 @@ async fn global_limit_holds_on_redis_cluster() {
         // Buckets and memberships landed on the cluster's shards.
         let keys: usize = cluster.nodes.iter().map(|n| n.cli(&["DBSIZE"]).trim().parse::<usize>().unwrap_or(0)).sum();
         assert!(keys >= 1, "no keys on the cluster");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn global_limit_holds_while_membership_changes_3_5_2() {
+    within(120, async {
+        let _serial = SERIAL.lock().await;
+        let redis = Redis::start();
+        let upstream = Upstream::start().await;
+        let p = global_policy(
+            "shared",
+            "- name: shared\n  key: [{header: x-api-key}]\n  limit: {requests: 100, period: 1s, burst: 50}",
+        );
+        let args = ["--redis-timeout", "200ms", "--membership-ttl", "2s"];
+        let mut sidecars = Vec::new();
+        for _ in 0..3 {
+            sidecars.push(start_sidecar(&upstream, &p, &redis, &args).await);
+        }
+        // Load runs continuously against whichever sidecars are in the set.
+        let targets = Arc::new(std::sync::RwLock::new(sidecars.iter().map(|s| s.url("/")).collect::<Vec<_>>()));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (ok, limited, other) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let t0 = Instant::now();
+        let mut tasks = Vec::new();
+        for w in 0..9usize {
+            let (targets, stop, ok, limited, other) = (targets.clone(), stop.clone(), ok.clone(), limited.clone(), other.clone());
+            tasks.push(tokio::spawn(async move {
+                let c = client();
+                let mut i = w;
+                while !stop.load(Ordering::Relaxed) {
+                    let url = {
+                        let t = targets.read().unwrap();
+                        t[i % t.len()].clone()
+                    };
+                    i += 1;
+                    match c.get(&url).header("x-api-key", "k").send().await.map(|r| r.status().as_u16()) {
+                        Ok(200) => ok.fetch_add(1, Ordering::Relaxed),
+                        Ok(429) => limited.fetch_add(1, Ordering::Relaxed),
+                        _ => other.fetch_add(1, Ordering::Relaxed),
+                    };
+                }
+            }));
+        }
+        let live = |s: &Sidecar| {
+            let url = s.admin_url("/metrics");
+            async move {
+                let text = client().get(url).send().await.ok()?.text().await.ok()?;
+                metric(&text, "tollgate_live_sidecars", &[("policy", "test/shared")])
+            }
+        };
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        // 3 → 5
+        for _ in 0..2 {
+            sidecars.push(start_sidecar(&upstream, &p, &redis, &args).await);
+        }
+        *targets.write().unwrap() = sidecars.iter().map(|s| s.url("/")).collect();
+        poll_until(Duration::from_secs(10), "5 members", || async { (live(&sidecars[0]).await == Some(5.0)).then_some(()) }).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        // 5 → 2: take three out of the load, then stop them (graceful: they return their tokens).
+        *targets.write().unwrap() = sidecars[3..].iter().map(|s| s.url("/")).collect();
+        for s in sidecars.drain(..3) {
+            s.terminate();
+            let mut s = s;
+            s.wait_exit(Duration::from_secs(10)).await;
+        }
+        poll_until(Duration::from_secs(10), "2 members", || async { (live(&sidecars[0]).await == Some(2.0)).then_some(()) }).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        stop.store(true, Ordering::Relaxed);
+        for t in tasks {
+            t.await.expect("load task");
+        }
+        let elapsed = t0.elapsed().as_secs_f64();
+        let admitted = ok.load(Ordering::Relaxed);
+        let expected = 100.0 * elapsed + 50.0;
+        eprintln!(
+            "membership 3->5->2: admitted {admitted} in {elapsed:.2}s, expected {expected:.0}, ratio {:.4}, 429s {}, errors {}",
+            admitted as f64 / expected,
+            limited.load(Ordering::Relaxed),
+            other.load(Ordering::Relaxed)
+        );
+        assert!(admitted as f64 <= expected * 1.01 + 5.0, "over-admitted: {admitted} > {expected:.0}");
+        assert!(admitted as f64 >= expected * 0.95, "under-admitted: {admitted} < {expected:.0}");
     })
     .await;
 }

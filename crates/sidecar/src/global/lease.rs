@@ -49,6 +49,9 @@ pub struct GlobalRuntime {
     /// Live sidecar counts pushed by the controller; when set they replace the Redis heartbeat
     /// membership (the controller sees every connected sidecar, including idle ones).
     pub controller_members: arc_swap::ArcSwapOption<std::collections::BTreeMap<String, u32>>,
+    /// Smoothed round-trip time of sync batches (ns). Leases are sized to last through the
+    /// next interval plus a few round trips, so a slow Redis does not drain hot keys.
+    pub sync_rtt: AtomicU64,
 }
 
 /// One key's local allowance.
@@ -411,6 +414,8 @@ impl GlobalRule {
     pub fn plan_sync(&self, now: Nanos, plan: &mut Vec<(Arc<Slot>, LeaseOp)>) {
         let interval = self.runtime.settings.sync_interval.as_nanos() as Nanos;
         let idle_after = 2 * interval;
+        // Tokens must last until the next sync lands: the interval plus a few round trips.
+        let horizon = interval + 3 * self.runtime.sync_rtt.load(Ordering::Relaxed);
         let share = self.share();
         for shard in &self.shards {
             let mut map = shard.lock();
@@ -421,10 +426,10 @@ impl GlobalRule {
                     .max(1);
                 let idle = demand == 0
                     && now.saturating_sub(slot.last_used.load(Ordering::Relaxed)) > idle_after;
-                // Demand projected over one sync interval (early syncs measure shorter spans),
+                // Demand projected over the horizon (early syncs measure shorter spans),
                 // with half again as headroom; shrink at most by half per round so a short lull
                 // does not empty a hot key; never more than this sidecar's share.
-                let projected = (u128::from(demand) * u128::from(interval) / u128::from(since))
+                let projected = (u128::from(demand) * u128::from(horizon) / u128::from(since))
                     .min(u128::from(u64::MAX)) as u64;
                 let previous = slot.target.load(Ordering::Relaxed);
                 let target = if idle {

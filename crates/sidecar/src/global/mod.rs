@@ -188,9 +188,11 @@ pub async fn sync_loop(shared: Arc<Shared>, runtime: Arc<GlobalRuntime>, members
             continue;
         }
 
-        // Heartbeat about once per second (and on the first round).
+        // Heartbeat about once per second (and on the first round), concurrently with the
+        // lease batch so a slow Redis costs one round trip per sync, not two.
         let heartbeat_due = last_heartbeat
             .is_none_or(|t| t.elapsed() >= Duration::from_secs(1).min(membership.ttl / 3));
+        let mut heartbeat_policies: Vec<String> = Vec::new();
         if let Some(members) = runtime.controller_members.load_full() {
             for (g, rule) in &globals {
                 if let Some(n) = members.get(&g.policy_id) {
@@ -203,43 +205,9 @@ pub async fn sync_loop(shared: Arc<Shared>, runtime: Arc<GlobalRuntime>, members
                 }
             }
         } else if heartbeat_due && runtime.store.breaker.allow() {
-            let mut policies: Vec<String> =
-                globals.iter().map(|(g, _)| g.policy_id.clone()).collect();
-            policies.sort();
-            policies.dedup();
-            match runtime
-                .store
-                .heartbeat(
-                    &policies,
-                    &membership.sidecar_id,
-                    membership.ttl,
-                    true,
-                    runtime.settings.sync_timeout,
-                )
-                .await
-            {
-                Ok(counts) => {
-                    runtime.store.breaker.success();
-                    last_heartbeat = Some(tokio::time::Instant::now());
-                    for (policy, n) in policies.iter().zip(counts) {
-                        runtime.metrics.set_live(policy, n);
-                        for (g, rule) in &globals {
-                            if &g.policy_id == policy {
-                                let before = g.live_sidecars();
-                                g.set_live_sidecars(n, Some(rule));
-                                if before != n.max(1) {
-                                    tracing::info!(policy = %policy, sidecars = n, share = g.share(), "membership changed; shares recomputed");
-                                }
-                            }
-                        }
-                    }
-                }
-                Err(e) => {
-                    runtime.store.breaker.failure();
-                    runtime.metrics.redis_error(e.kind());
-                    tracing::debug!(error = %e, "membership heartbeat failed");
-                }
-            }
+            heartbeat_policies = globals.iter().map(|(g, _)| g.policy_id.clone()).collect();
+            heartbeat_policies.sort();
+            heartbeat_policies.dedup();
         }
 
         let now = shared.clock.now();
@@ -254,18 +222,80 @@ pub async fn sync_loop(shared: Arc<Shared>, runtime: Arc<GlobalRuntime>, members
             .metrics
             .leased_keys
             .set(globals.iter().map(|(g, _)| g.leased_keys() as i64).sum());
-        if plan.is_empty() {
-            continue;
-        }
         let ops: Vec<store::LeaseOp> = plan.iter().map(|(_, op)| op.clone()).collect();
-        let result = if runtime.store.breaker.allow() {
-            runtime
-                .store
-                .lease_batch(&ops, runtime.settings.sync_timeout)
-                .await
-        } else {
-            Err(store::StoreError::BreakerOpen)
+        let heartbeat = async {
+            if heartbeat_policies.is_empty() {
+                return None;
+            }
+            Some(
+                runtime
+                    .store
+                    .heartbeat(
+                        &heartbeat_policies,
+                        &membership.sidecar_id,
+                        membership.ttl,
+                        true,
+                        runtime.settings.sync_timeout,
+                    )
+                    .await,
+            )
         };
+        let sent = tokio::time::Instant::now();
+        let lease = async {
+            if ops.is_empty() {
+                None
+            } else if runtime.store.breaker.allow() {
+                Some(
+                    runtime
+                        .store
+                        .lease_batch(&ops, runtime.settings.sync_timeout)
+                        .await,
+                )
+            } else {
+                Some(Err(store::StoreError::BreakerOpen))
+            }
+        };
+        let (heartbeat, lease) = tokio::join!(heartbeat, lease);
+        match heartbeat {
+            Some(Ok(counts)) => {
+                runtime.store.breaker.success();
+                last_heartbeat = Some(tokio::time::Instant::now());
+                for (policy, n) in heartbeat_policies.iter().zip(counts) {
+                    runtime.metrics.set_live(policy, n);
+                    for (g, rule) in &globals {
+                        if &g.policy_id == policy {
+                            let before = g.live_sidecars();
+                            g.set_live_sidecars(n, Some(rule));
+                            if before != n.max(1) {
+                                tracing::info!(policy = %policy, sidecars = n, share = g.share(), "membership changed; shares recomputed");
+                            }
+                        }
+                    }
+                }
+            }
+            Some(Err(e)) => {
+                runtime.store.breaker.failure();
+                runtime.metrics.redis_error(e.kind());
+                tracing::debug!(error = %e, "membership heartbeat failed");
+            }
+            None => {}
+        }
+        let Some(result) = lease else {
+            continue;
+        };
+        if result.is_ok() {
+            // Exponentially smoothed (1/4 weight on the newest sample).
+            let rtt = sent.elapsed().as_nanos() as u64;
+            let old = runtime.sync_rtt.load(std::sync::atomic::Ordering::Relaxed);
+            let smoothed = if old == 0 {
+                rtt
+            } else {
+                old - old / 4 + rtt / 4
+            };
+            runtime
+                .sync_rtt
+                .store(smoothed, std::sync::atomic::Ordering::Relaxed);
+        }
         runtime.metrics.sync_rounds.inc();
         let now = shared.clock.now();
         match result {
