@@ -69,8 +69,13 @@ pub async fn run(
 
     let global = match &args.redis {
         Some(url) => {
-            let store = crate::global::Store::new(url, args.redis_cluster, args.redis_groups)
-                .map_err(|e| anyhow::anyhow!("--redis: {e}"))?;
+            let store = crate::global::Store::with_breaker(
+                url,
+                args.redis_cluster,
+                args.redis_groups,
+                args.sync_interval,
+            )
+            .map_err(|e| anyhow::anyhow!("--redis: {e}"))?;
             Some(Arc::new(GlobalRuntime {
                 store,
                 settings: LeaseSettings {

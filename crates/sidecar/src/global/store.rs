@@ -103,6 +103,10 @@ enum Conn {
     Cluster(redis::cluster_async::ClusterConnection),
 }
 
+/// How long the breaker stays open before one probe may go out; the sidecar sets it to the
+/// sync interval so recovery after Redis returns takes at most one interval.
+pub const DEFAULT_BREAKER_OPEN: Duration = Duration::from_millis(250);
+
 /// Consecutive failures that open the breaker.
 const BREAKER_THRESHOLD: u32 = 3;
 
@@ -189,6 +193,16 @@ impl Store {
     /// or for a cluster when `cluster` is set (then `url` is a comma-separated list of seed
     /// nodes). Does not connect yet.
     pub fn new(url: &str, cluster: bool, groups: u32) -> Result<Store, StoreError> {
+        Store::with_breaker(url, cluster, groups, DEFAULT_BREAKER_OPEN)
+    }
+
+    /// Like [`Store::new`], with the breaker's open time.
+    pub fn with_breaker(
+        url: &str,
+        cluster: bool,
+        groups: u32,
+        breaker_open: Duration,
+    ) -> Result<Store, StoreError> {
         let target = if cluster {
             let nodes: Vec<&str> = url.split(',').map(str::trim).collect();
             Target::Cluster(Box::new(
@@ -203,7 +217,7 @@ impl Store {
             connecting: tokio::sync::Mutex::new(()),
             lease: redis::Script::new(LEASE_LUA),
             members: redis::Script::new(MEMBERS_LUA),
-            breaker: Breaker::new(Duration::from_secs(1)),
+            breaker: Breaker::new(breaker_open),
             groups: groups.max(1),
             prefix: "tg".to_string(),
         })
