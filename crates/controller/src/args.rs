@@ -85,6 +85,10 @@ pub struct Args {
     /// Log filter (tracing `EnvFilter` syntax); `RUST_LOG` overrides it.
     #[arg(long, env = "TOLLGATE_LOG", default_value = "info")]
     pub log: String,
+
+    /// Admission webhooks and the injected sidecar.
+    #[command(flatten)]
+    pub webhook: crate::webhook::args::WebhookArgs,
 }
 
 /// Log output format.

@@ -19,6 +19,7 @@
 //! - [`status`]: conditions and counters on `RateLimitPolicy.status`, Events (leader only).
 //! - [`leader`]: Lease-based leader election.
 //! - [`metrics`]: Prometheus metrics (`tollgate_controller_*`).
+//! - [`webhook`]: admission webhooks (sidecar injection, RateLimitPolicy validation) and their TLS.
 //! - [`args`], [`runtime`]: flags and wiring.
 
 #![forbid(unsafe_code)]
@@ -33,6 +34,7 @@ pub mod metrics;
 pub mod runtime;
 pub mod server;
 pub mod status;
+pub mod webhook;
 
 #[cfg(test)]
 pub(crate) mod test_util;

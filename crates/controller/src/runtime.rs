@@ -77,7 +77,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     tracing::info!(%epoch, %identity, listen = %args.listen, namespaces = ?args.namespaces, "starting tollgate-controller");
 
     let index = Index::shared(epoch);
-    let (metrics, registry) = Metrics::new(index.clone());
+    let (metrics, mut registry) = Metrics::new(index.clone());
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
 
     // Watches: one per kind and namespace (or one per kind for all namespaces).
@@ -185,6 +185,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         )
         .with_metrics(metrics.clone()),
     );
+    // Admission webhooks (their metrics join the registry before the server takes it).
+    crate::webhook::start(&client, &args.webhook, &mut registry, shutdown_rx.clone()).await?;
+
     let listener = TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;

@@ -1,0 +1,99 @@
+{{/* Chart name. */}}
+{{- define "tollgate.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Object name prefix: the release name, plus the chart name unless it already contains it. */}}
+{{- define "tollgate.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "tollgate.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object. */}}
+{{- define "tollgate.labels" -}}
+helm.sh/chart: {{ include "tollgate.chart" . }}
+app.kubernetes.io/name: {{ include "tollgate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: tollgate
+{{- end }}
+
+{{- define "tollgate.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tollgate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: controller
+{{- end }}
+
+{{- define "tollgate.controllerName" -}}
+{{ include "tollgate.fullname" . }}-controller
+{{- end }}
+
+{{- define "tollgate.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "tollgate.controllerName" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "tollgate.mutatingWebhookName" -}}
+{{ include "tollgate.fullname" . }}-sidecar-injector
+{{- end }}
+
+{{- define "tollgate.validatingWebhookName" -}}
+{{ include "tollgate.fullname" . }}-policy-validator
+{{- end }}
+
+{{/* Secret with the webhook serving certificate (self-signed mode writes it; cert-manager fills it). */}}
+{{- define "tollgate.webhookSecretName" -}}
+{{ include "tollgate.fullname" . }}-webhook-tls
+{{- end }}
+
+{{/* DNS names the API server uses to reach the webhook Service. */}}
+{{- define "tollgate.webhookDNSNames" -}}
+{{- $svc := include "tollgate.controllerName" . -}}
+{{ $svc }}.{{ .Release.Namespace }}.svc,{{ $svc }}.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}
+{{- end }}
+
+{{- define "tollgate.image" -}}
+{{ .Values.image.repository }}:{{ default .Chart.AppVersion .Values.image.tag }}
+{{- end }}
+
+{{- define "tollgate.sidecarImage" -}}
+{{ .Values.sidecar.image.repository }}:{{ default .Chart.AppVersion .Values.sidecar.image.tag }}
+{{- end }}
+
+{{/* The Redis URL passed to sidecars ("" when global limits stay per sidecar). */}}
+{{- define "tollgate.redisURL" -}}
+{{- if .Values.redis.dev.enabled -}}
+redis://{{ include "tollgate.fullname" . }}-redis.{{ .Release.Namespace }}.svc:6379
+{{- else if .Values.redis.url -}}
+{{- $urls := list -}}
+{{- range (splitList "," .Values.redis.url) -}}
+{{- $u := trim . -}}
+{{- if $.Values.redis.tls.enabled -}}{{- $u = regexReplaceAll "^redis://" $u "rediss://" -}}{{- end -}}
+{{- if and $.Values.redis.tls.insecureSkipVerify (hasPrefix "rediss://" $u) -}}{{- $u = printf "%s#insecure" $u -}}{{- end -}}
+{{- $urls = append $urls $u -}}
+{{- end -}}
+{{- join "," $urls -}}
+{{- end -}}
+{{- end }}
+
+{{/* Pods the injection webhook must never touch: tollgate's own. */}}
+{{- define "tollgate.objectSelectorExclusions" -}}
+- key: tollgate.dev/control-plane
+  operator: DoesNotExist
+{{- end }}

@@ -1,0 +1,849 @@
+//! Sidecar injection: decide whether a Pod gets the tollgate sidecar and build the JSON patch
+//! that adds it. Pure functions of the Pod and an [`InjectConfig`]; no client, no I/O.
+//!
+//! ```text
+//!  Pod (as the API server sends it) ──decide──▶ Skip(reason)            → no patch
+//!                                        └────▶ Plan{upstream, rewrite} → patch():
+//!     /metadata/annotations/tollgate.dev~1sidecar-version
+//!     /spec/initContainers/-      tollgate-sidecar, restartPolicy: Always (native sidecar)
+//!     /spec/volumes/-             tollgate-token (projected ServiceAccount token)
+//!     /spec/containers/i/ports/j/name (+ probes)   only with tollgate.dev/rewrite-port
+//! ```
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use json_patch::jsonptr::PointerBuf;
+use json_patch::{AddOperation, Patch, PatchOperation, ReplaceOperation, TestOperation};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction,
+    ObjectFieldSelector, Pod, Probe, ProjectedVolumeSource, ResourceRequirements, SeccompProfile,
+    SecretKeySelector, SecurityContext, ServiceAccountTokenProjection, Volume, VolumeMount,
+    VolumeProjection,
+};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use serde_json::Value;
+
+/// Pod label or annotation (and namespace label) that opts in (`enabled`) or out (`disabled`).
+pub const INJECT: &str = "tollgate.dev/inject";
+/// Pod annotation: the app's port (number or container port name) the sidecar forwards to.
+pub const UPSTREAM_PORT: &str = "tollgate.dev/upstream-port";
+/// Pod annotation: name of an app container port to hand over to the sidecar.
+pub const REWRITE_PORT: &str = "tollgate.dev/rewrite-port";
+/// Pod annotation written on injection: the sidecar's version.
+pub const SIDECAR_VERSION: &str = "tollgate.dev/sidecar-version";
+/// Value of [`INJECT`] that opts in.
+pub const ENABLED: &str = "enabled";
+/// Value of [`INJECT`] that opts out; it wins over every opt-in.
+pub const DISABLED: &str = "disabled";
+
+/// Name of the injected container.
+pub const SIDECAR_NAME: &str = "tollgate-sidecar";
+/// Name of the projected token volume.
+pub const TOKEN_VOLUME: &str = "tollgate-token";
+/// Where the token volume is mounted; the sidecar's default `--token-file` is `<dir>/token`.
+pub const TOKEN_DIR: &str = "/var/run/secrets/tollgate";
+/// Container port name of the sidecar's listener when no port is rewritten.
+pub const PORT_NAME: &str = "tollgate-http";
+/// Container port name of the sidecar's admin endpoints.
+pub const ADMIN_PORT_NAME: &str = "tollgate-admin";
+/// UID/GID the sidecar runs as (distroless "nonroot").
+pub const SIDECAR_UID: i64 = 65532;
+
+// === InjectConfig ===
+
+/// What to inject; built from the controller's `--sidecar-*` flags.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InjectConfig {
+    pub image: String,
+    pub image_pull_policy: String,
+    /// Written to the [`SIDECAR_VERSION`] annotation.
+    pub version: String,
+    pub listen_port: u16,
+    pub admin_port: u16,
+    pub controller_url: String,
+    pub token_audience: String,
+    pub token_expiration_seconds: i64,
+    pub resources: ResourceRequirements,
+    pub redis: Option<RedisConfig>,
+    pub extra_args: Vec<String>,
+}
+
+/// Redis settings passed to the sidecar.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RedisConfig {
+    /// `redis://host:port` (or a comma-separated seed list with `cluster`), without password
+    /// when `password` is set.
+    pub url: String,
+    pub cluster: bool,
+    /// Secret in the pod's namespace holding the password.
+    pub password: Option<SecretKeyRef>,
+}
+
+/// A key of a Secret in the pod's own namespace.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SecretKeyRef {
+    pub name: String,
+    pub key: String,
+}
+
+impl InjectConfig {
+    /// Rejects settings that would produce broken pods.
+    pub fn check(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(!self.image.trim().is_empty(), "--sidecar-image is empty");
+        anyhow::ensure!(
+            self.listen_port != 0 && self.admin_port != 0 && self.listen_port != self.admin_port,
+            "--sidecar-port ({}) and --sidecar-admin-port ({}) must be different non-zero ports",
+            self.listen_port,
+            self.admin_port
+        );
+        anyhow::ensure!(
+            self.controller_url.starts_with("http://")
+                || self.controller_url.starts_with("https://"),
+            "--sidecar-controller-url {:?} must be an http:// or https:// URL",
+            self.controller_url
+        );
+        if let Some(redis) = &self.redis {
+            redis.url_env()?;
+        }
+        Ok(())
+    }
+
+    /// A configuration for tests and examples.
+    pub fn example() -> InjectConfig {
+        InjectConfig {
+            image: "ghcr.io/tollgate-dev/tollgate-sidecar:0.1.0".into(),
+            image_pull_policy: "IfNotPresent".into(),
+            version: "0.1.0".into(),
+            listen_port: 8081,
+            admin_port: 9091,
+            controller_url: "http://tollgate-controller.tollgate-system.svc:8090".into(),
+            token_audience: "tollgate".into(),
+            token_expiration_seconds: 3600,
+            resources: serde_json::from_value(serde_json::json!({
+                "requests": {"cpu": "50m", "memory": "32Mi"},
+                "limits": {"memory": "128Mi"}
+            }))
+            .expect("resources"),
+            redis: None,
+            extra_args: Vec::new(),
+        }
+    }
+}
+
+impl RedisConfig {
+    /// The value of `TOLLGATE_REDIS_URL`: the URL(s) with `$(TOLLGATE_REDIS_PASSWORD)` as the
+    /// password when a password Secret is configured (Kubernetes expands it from the env var
+    /// defined just before).
+    pub fn url_env(&self) -> anyhow::Result<String> {
+        let urls: Vec<&str> = if self.cluster {
+            self.url.split(',').map(str::trim).collect()
+        } else {
+            vec![self.url.trim()]
+        };
+        let mut out = Vec::with_capacity(urls.len());
+        for url in urls {
+            let Some((scheme, rest)) = url.split_once("://") else {
+                anyhow::bail!("Redis URL {url:?} has no scheme (redis:// or rediss://)");
+            };
+            anyhow::ensure!(
+                scheme == "redis" || scheme == "rediss",
+                "Redis URL {url:?} must start with redis:// or rediss://"
+            );
+            if self.password.is_none() {
+                out.push(url.to_string());
+                continue;
+            }
+            let end = rest.find('/').unwrap_or(rest.len());
+            let (authority, path) = rest.split_at(end);
+            let (user, host) = match authority.rsplit_once('@') {
+                Some((user, host)) => (user, host),
+                None => ("", authority),
+            };
+            anyhow::ensure!(
+                !user.contains(':'),
+                "Redis URL {url:?} already contains a password; drop it or the password Secret"
+            );
+            out.push(format!(
+                "{scheme}://{user}:$({REDIS_PASSWORD_ENV})@{host}{path}"
+            ));
+        }
+        Ok(out.join(","))
+    }
+}
+
+const REDIS_PASSWORD_ENV: &str = "TOLLGATE_REDIS_PASSWORD";
+
+// === decisions ===
+
+/// Why a pod is left alone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Skip {
+    /// `tollgate.dev/inject: disabled` on the pod.
+    OptedOut,
+    /// Neither the pod nor (for this webhook entry) its namespace opted in.
+    NotOptedIn,
+    /// A container named `tollgate-sidecar` is already there.
+    AlreadyInjected,
+    /// `hostNetwork: true`: the sidecar's ports would be opened on the node.
+    HostNetwork,
+    /// No `tollgate.dev/upstream-port` annotation and no container port to forward to.
+    NoUpstreamPort,
+    /// An annotation is malformed or names something that is not there.
+    BadAnnotation(String),
+    /// An app container already declares one of the sidecar's ports.
+    PortConflict(u16),
+}
+
+impl Skip {
+    /// Short label for metrics and logs.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Skip::OptedOut => "opted_out",
+            Skip::NotOptedIn => "not_opted_in",
+            Skip::AlreadyInjected => "already_injected",
+            Skip::HostNetwork => "host_network",
+            Skip::NoUpstreamPort => "no_upstream_port",
+            Skip::BadAnnotation(_) => "bad_annotation",
+            Skip::PortConflict(_) => "port_conflict",
+        }
+    }
+
+    /// Whether the pod's owner asked for injection and should be told why it did not happen
+    /// (returned as an admission warning, which kubectl prints).
+    pub fn warns(&self) -> bool {
+        !matches!(
+            self,
+            Skip::OptedOut | Skip::NotOptedIn | Skip::AlreadyInjected
+        )
+    }
+}
+
+impl fmt::Display for Skip {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Skip::OptedOut => write!(f, "the pod has {INJECT}: {DISABLED}"),
+            Skip::NotOptedIn => write!(
+                f,
+                "neither the pod nor its namespace has {INJECT}: {ENABLED}"
+            ),
+            Skip::AlreadyInjected => write!(f, "the pod already has a {SIDECAR_NAME} container"),
+            Skip::HostNetwork => write!(f, "pods with hostNetwork: true are not injected"),
+            Skip::NoUpstreamPort => write!(
+                f,
+                "no container port to forward to: declare one or set the {UPSTREAM_PORT} annotation"
+            ),
+            Skip::BadAnnotation(m) => f.write_str(m),
+            Skip::PortConflict(p) => write!(
+                f,
+                "an app container already uses port {p}, which the sidecar needs"
+            ),
+        }
+    }
+}
+
+/// A named container port handed over to the sidecar.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortRewrite {
+    /// The name the Service targets; the sidecar's listener takes it.
+    pub name: String,
+    /// The app's port gets this name instead.
+    pub renamed_to: String,
+    /// Index of the app container and of the port in it.
+    pub container: usize,
+    pub port: usize,
+}
+
+/// What will be injected.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// The app port the sidecar forwards to (`--upstream http://127.0.0.1:<port>`).
+    pub upstream_port: u16,
+    pub rewrite: Option<PortRewrite>,
+}
+
+/// Reads an opt-in/out value from the pod's annotations and labels.
+fn pod_setting(pod: &Pod) -> Option<&str> {
+    let a = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|m| m.get(INJECT))
+        .map(String::as_str);
+    let l = pod
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|m| m.get(INJECT))
+        .map(String::as_str);
+    // "disabled" on either wins; otherwise any "enabled".
+    if a == Some(DISABLED) || l == Some(DISABLED) {
+        Some(DISABLED)
+    } else if a == Some(ENABLED) || l == Some(ENABLED) {
+        Some(ENABLED)
+    } else {
+        None
+    }
+}
+
+fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .and_then(|m| m.get(key))
+        .map(|s| s.trim())
+        .filter(|s| !s.is_empty())
+}
+
+/// Decides whether and how to inject. `namespace_opted_in` is true when the call came
+/// through the webhook entry whose `namespaceSelector` requires `tollgate.dev/inject: enabled`.
+pub fn decide(pod: &Pod, namespace_opted_in: bool, cfg: &InjectConfig) -> Result<Plan, Skip> {
+    match pod_setting(pod) {
+        Some(DISABLED) => return Err(Skip::OptedOut),
+        Some(_) => {}
+        None if namespace_opted_in => {}
+        None => return Err(Skip::NotOptedIn),
+    }
+    let spec = pod.spec.as_ref().ok_or(Skip::NoUpstreamPort)?;
+    let already = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .any(|c| c.name == SIDECAR_NAME);
+    if already {
+        return Err(Skip::AlreadyInjected);
+    }
+    if spec.host_network == Some(true) {
+        return Err(Skip::HostNetwork);
+    }
+
+    let rewrite = match annotation(pod, REWRITE_PORT) {
+        None => None,
+        Some(name) => Some(plan_rewrite(spec, name)?),
+    };
+    let upstream_port = match annotation(pod, UPSTREAM_PORT) {
+        Some(v) => resolve_port(spec, v).ok_or_else(|| {
+            Skip::BadAnnotation(format!(
+                "{UPSTREAM_PORT}: {v:?} is neither a port number nor the name of a container port"
+            ))
+        })?,
+        None => match &rewrite {
+            Some(r) => port_number(&spec.containers[r.container].ports.as_ref().unwrap()[r.port]),
+            None => spec
+                .containers
+                .iter()
+                .flat_map(|c| c.ports.iter().flatten())
+                .find(|p| p.protocol.as_deref().unwrap_or("TCP") == "TCP")
+                .map(port_number)
+                .ok_or(Skip::NoUpstreamPort)?,
+        },
+    };
+    for taken in [cfg.listen_port, cfg.admin_port] {
+        let clash = taken == upstream_port
+            || spec
+                .containers
+                .iter()
+                .chain(spec.init_containers.iter().flatten())
+                .flat_map(|c| c.ports.iter().flatten())
+                .any(|p| p.container_port == i32::from(taken));
+        if clash {
+            return Err(Skip::PortConflict(taken));
+        }
+    }
+    Ok(Plan {
+        upstream_port,
+        rewrite,
+    })
+}
+
+fn port_number(p: &ContainerPort) -> u16 {
+    u16::try_from(p.container_port).unwrap_or(0)
+}
+
+/// A port number, or the name of a port of an app container.
+fn resolve_port(spec: &k8s_openapi::api::core::v1::PodSpec, v: &str) -> Option<u16> {
+    if let Ok(n) = v.parse::<u16>() {
+        return (n != 0).then_some(n);
+    }
+    spec.containers
+        .iter()
+        .flat_map(|c| c.ports.iter().flatten())
+        .find(|p| p.name.as_deref() == Some(v))
+        .map(port_number)
+        .filter(|n| *n != 0)
+}
+
+fn plan_rewrite(
+    spec: &k8s_openapi::api::core::v1::PodSpec,
+    name: &str,
+) -> Result<PortRewrite, Skip> {
+    let found = spec.containers.iter().enumerate().find_map(|(ci, c)| {
+        c.ports
+            .iter()
+            .flatten()
+            .position(|p| p.name.as_deref() == Some(name))
+            .map(|pi| (ci, pi))
+    });
+    let Some((container, port)) = found else {
+        return Err(Skip::BadAnnotation(format!(
+            "{REWRITE_PORT}: no app container has a port named {name:?}"
+        )));
+    };
+    let renamed_to = renamed_port(name);
+    let taken = spec.containers[container]
+        .ports
+        .iter()
+        .flatten()
+        .any(|p| p.name.as_deref() == Some(renamed_to.as_str()));
+    if taken || renamed_to == PORT_NAME || renamed_to == ADMIN_PORT_NAME || name == ADMIN_PORT_NAME
+    {
+        return Err(Skip::BadAnnotation(format!(
+            "{REWRITE_PORT}: cannot rename port {name:?} to {renamed_to:?}: the name is taken"
+        )));
+    }
+    Ok(PortRewrite {
+        name: name.to_string(),
+        renamed_to,
+        container,
+        port,
+    })
+}
+
+/// The new name of a rewritten app port: `app-<name>`, cut to the 15 characters a port name
+/// may have (without a trailing `-`).
+pub fn renamed_port(name: &str) -> String {
+    let mut s: String = format!("app-{name}").chars().take(15).collect();
+    while s.ends_with('-') {
+        s.pop();
+    }
+    s
+}
+
+// === the sidecar ===
+
+/// The sidecar container for a plan.
+pub fn sidecar_container(cfg: &InjectConfig, plan: &Plan) -> Container {
+    let mut args = vec![
+        format!("--listen=0.0.0.0:{}", cfg.listen_port),
+        format!("--upstream=http://127.0.0.1:{}", plan.upstream_port),
+        format!("--admin=0.0.0.0:{}", cfg.admin_port),
+        format!("--controller={}", cfg.controller_url),
+        format!("--token-file={TOKEN_DIR}/token"),
+    ];
+    args.extend(cfg.extra_args.iter().cloned());
+
+    let field_env = |name: &str, path: &str| EnvVar {
+        name: name.to_string(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: path.to_string(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut env = vec![
+        field_env("TOLLGATE_POD_NAME", "metadata.name"),
+        field_env("TOLLGATE_POD_NAMESPACE", "metadata.namespace"),
+    ];
+    if let Some(redis) = &cfg.redis {
+        if let Some(secret) = &redis.password {
+            // Must come before TOLLGATE_REDIS_URL, which refers to it.
+            env.push(EnvVar {
+                name: REDIS_PASSWORD_ENV.to_string(),
+                value_from: Some(EnvVarSource {
+                    secret_key_ref: Some(SecretKeySelector {
+                        name: secret.name.clone(),
+                        key: secret.key.clone(),
+                        // A missing Secret must not keep the pod from starting; the sidecar
+                        // then fails to authenticate and each rule's failureMode applies.
+                        optional: Some(true),
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+        }
+        env.push(EnvVar {
+            name: "TOLLGATE_REDIS_URL".to_string(),
+            value: Some(redis.url_env().unwrap_or_else(|_| redis.url.clone())),
+            ..Default::default()
+        });
+        if redis.cluster {
+            env.push(EnvVar {
+                name: "TOLLGATE_REDIS_CLUSTER".to_string(),
+                value: Some("true".to_string()),
+                ..Default::default()
+            });
+        }
+    }
+
+    let probe = |path: &str, period: i32, failures: i32| Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.to_string()),
+            port: IntOrString::String(ADMIN_PORT_NAME.to_string()),
+            ..Default::default()
+        }),
+        period_seconds: Some(period),
+        failure_threshold: Some(failures),
+        timeout_seconds: Some(1),
+        ..Default::default()
+    };
+    let listen_name = plan
+        .rewrite
+        .as_ref()
+        .map(|r| r.name.clone())
+        .unwrap_or_else(|| PORT_NAME.to_string());
+
+    Container {
+        name: SIDECAR_NAME.to_string(),
+        image: Some(cfg.image.clone()),
+        image_pull_policy: Some(cfg.image_pull_policy.clone()),
+        args: Some(args),
+        env: Some(env),
+        ports: Some(vec![
+            ContainerPort {
+                name: Some(listen_name),
+                container_port: i32::from(cfg.listen_port),
+                protocol: Some("TCP".to_string()),
+                ..Default::default()
+            },
+            ContainerPort {
+                name: Some(ADMIN_PORT_NAME.to_string()),
+                container_port: i32::from(cfg.admin_port),
+                protocol: Some("TCP".to_string()),
+                ..Default::default()
+            },
+        ]),
+        // A native sidecar: starts before the app containers, stops after them (k8s >= 1.29).
+        restart_policy: Some("Always".to_string()),
+        resources: Some(cfg.resources.clone()),
+        security_context: Some(SecurityContext {
+            run_as_non_root: Some(true),
+            run_as_user: Some(SIDECAR_UID),
+            run_as_group: Some(SIDECAR_UID),
+            read_only_root_filesystem: Some(true),
+            allow_privilege_escalation: Some(false),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".to_string()]),
+                ..Default::default()
+            }),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".to_string(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        startup_probe: Some(probe("/healthz", 1, 60)),
+        liveness_probe: Some(probe("/healthz", 10, 3)),
+        readiness_probe: Some(probe("/readyz", 5, 3)),
+        volume_mounts: Some(vec![VolumeMount {
+            name: TOKEN_VOLUME.to_string(),
+            mount_path: TOKEN_DIR.to_string(),
+            read_only: Some(true),
+            ..Default::default()
+        }]),
+        termination_message_policy: Some("FallbackToLogsOnError".to_string()),
+        ..Default::default()
+    }
+}
+
+/// The projected ServiceAccount token volume the sidecar presents to the controller.
+pub fn token_volume(cfg: &InjectConfig) -> Volume {
+    Volume {
+        name: TOKEN_VOLUME.to_string(),
+        projected: Some(ProjectedVolumeSource {
+            default_mode: Some(0o444),
+            sources: Some(vec![VolumeProjection {
+                service_account_token: Some(ServiceAccountTokenProjection {
+                    audience: Some(cfg.token_audience.clone()),
+                    expiration_seconds: Some(cfg.token_expiration_seconds),
+                    path: "token".to_string(),
+                }),
+                ..Default::default()
+            }]),
+        }),
+        ..Default::default()
+    }
+}
+
+// === the patch ===
+
+fn ptr<'a>(tokens: impl IntoIterator<Item = &'a str>) -> PointerBuf {
+    PointerBuf::from_tokens(tokens)
+}
+
+fn add(path: PointerBuf, value: Value) -> PatchOperation {
+    PatchOperation::Add(AddOperation { path, value })
+}
+
+/// The JSON patch for a plan. `raw` is the pod exactly as the API server sent it: parents
+/// (`annotations`, `initContainers`, `volumes`) are created when they are absent there.
+pub fn patch(raw: &Value, pod: &Pod, cfg: &InjectConfig, plan: &Plan) -> Patch {
+    let mut ops = Vec::new();
+    let present = |p: &str| raw.pointer(p).is_some_and(|v| !v.is_null());
+
+    if present("/metadata/annotations") {
+        ops.push(add(
+            ptr(["metadata", "annotations", SIDECAR_VERSION]),
+            Value::String(cfg.version.clone()),
+        ));
+    } else {
+        let mut m = BTreeMap::new();
+        m.insert(SIDECAR_VERSION, cfg.version.clone());
+        ops.push(add(ptr(["metadata", "annotations"]), serde_json::json!(m)));
+    }
+
+    if let Some(r) = &plan.rewrite {
+        let ci = r.container.to_string();
+        let pi = r.port.to_string();
+        // Guard against a concurrent change of the list: the patch fails instead of renaming
+        // another port.
+        ops.push(PatchOperation::Test(TestOperation {
+            path: ptr(["spec", "containers", &ci, "ports", &pi, "name"]),
+            value: Value::String(r.name.clone()),
+        }));
+        ops.push(PatchOperation::Replace(ReplaceOperation {
+            path: ptr(["spec", "containers", &ci, "ports", &pi, "name"]),
+            value: Value::String(r.renamed_to.clone()),
+        }));
+        // Probes and lifecycle hooks of that container that refer to the port by name.
+        if let Some(c) = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.containers.get(r.container))
+        {
+            for (field, probe) in [
+                ("livenessProbe", &c.liveness_probe),
+                ("readinessProbe", &c.readiness_probe),
+                ("startupProbe", &c.startup_probe),
+            ] {
+                let Some(probe) = probe else { continue };
+                let http = probe.http_get.as_ref().map(|h| &h.port);
+                let tcp = probe.tcp_socket.as_ref().map(|t| &t.port);
+                for (handler, port) in [("httpGet", http), ("tcpSocket", tcp)] {
+                    if port == Some(&IntOrString::String(r.name.clone())) {
+                        ops.push(PatchOperation::Replace(ReplaceOperation {
+                            path: ptr(["spec", "containers", &ci, field, handler, "port"]),
+                            value: Value::String(r.renamed_to.clone()),
+                        }));
+                    }
+                }
+            }
+            if let Some(lc) = &c.lifecycle {
+                for (hook, handler) in [("postStart", &lc.post_start), ("preStop", &lc.pre_stop)] {
+                    let Some(h) = handler else { continue };
+                    let http = h.http_get.as_ref().map(|h| &h.port);
+                    let tcp = h.tcp_socket.as_ref().map(|t| &t.port);
+                    for (kind, port) in [("httpGet", http), ("tcpSocket", tcp)] {
+                        if port == Some(&IntOrString::String(r.name.clone())) {
+                            ops.push(PatchOperation::Replace(ReplaceOperation {
+                                path: ptr([
+                                    "spec",
+                                    "containers",
+                                    &ci,
+                                    "lifecycle",
+                                    hook,
+                                    kind,
+                                    "port",
+                                ]),
+                                value: Value::String(r.renamed_to.clone()),
+                            }));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // A projected ServiceAccount token is only valid with a serviceAccountName. The
+    // ServiceAccount admission plugin sets it to "default" before webhooks run; where that
+    // plugin is off, set the same value here so the patched pod stays valid.
+    let sa = raw
+        .pointer("/spec/serviceAccountName")
+        .and_then(Value::as_str);
+    if sa.is_none_or(str::is_empty) {
+        ops.push(add(
+            ptr(["spec", "serviceAccountName"]),
+            Value::String("default".to_string()),
+        ));
+    }
+    let sidecar = serde_json::to_value(sidecar_container(cfg, plan)).expect("container to JSON");
+    if present("/spec/initContainers") {
+        ops.push(add(ptr(["spec", "initContainers", "-"]), sidecar));
+    } else {
+        ops.push(add(
+            ptr(["spec", "initContainers"]),
+            Value::Array(vec![sidecar]),
+        ));
+    }
+    let volume = serde_json::to_value(token_volume(cfg)).expect("volume to JSON");
+    if present("/spec/volumes") {
+        ops.push(add(ptr(["spec", "volumes", "-"]), volume));
+    } else {
+        ops.push(add(ptr(["spec", "volumes"]), Value::Array(vec![volume])));
+    }
+    Patch(ops)
+}
+
+/// The outcome of one pod admission.
+#[derive(Debug)]
+pub enum Outcome {
+    Injected(Patch),
+    Skipped(Skip),
+}
+
+/// Decides and builds the patch for a pod given as the API server's JSON.
+pub fn inject(
+    raw: &Value,
+    namespace_opted_in: bool,
+    cfg: &InjectConfig,
+) -> Result<Outcome, serde_json::Error> {
+    let pod: Pod = serde_json::from_value(raw.clone())?;
+    Ok(match decide(&pod, namespace_opted_in, cfg) {
+        Ok(plan) => Outcome::Injected(patch(raw, &pod, cfg, &plan)),
+        Err(skip) => Outcome::Skipped(skip),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod(v: Value) -> (Value, Pod) {
+        let p: Pod = serde_json::from_value(v.clone()).unwrap();
+        (v, p)
+    }
+
+    fn app(ports: Value) -> Value {
+        json!({"apiVersion":"v1","kind":"Pod","metadata":{"name":"a","namespace":"shop"},
+               "spec":{"containers":[{"name":"app","image":"app","ports":ports}]}})
+    }
+
+    #[test]
+    fn opt_in_rules() {
+        let cfg = InjectConfig::example();
+        let (_, p) = pod(app(json!([{"containerPort":8080}])));
+        assert_eq!(decide(&p, false, &cfg), Err(Skip::NotOptedIn));
+        assert!(decide(&p, true, &cfg).is_ok());
+        for (where_, val, ns, ok) in [
+            ("annotations", ENABLED, false, true),
+            ("labels", ENABLED, false, true),
+            ("annotations", DISABLED, true, false),
+            ("labels", DISABLED, true, false),
+            ("annotations", "yes", false, false),
+        ] {
+            let mut v = app(json!([{"containerPort":8080}]));
+            v["metadata"][where_] = json!({INJECT: val});
+            let (_, p) = pod(v);
+            assert_eq!(decide(&p, ns, &cfg).is_ok(), ok, "{where_} {val} ns={ns}");
+        }
+        // Disabled annotation beats an enabled label.
+        let mut v = app(json!([{"containerPort":8080}]));
+        v["metadata"]["labels"] = json!({INJECT: ENABLED});
+        v["metadata"]["annotations"] = json!({INJECT: DISABLED});
+        assert_eq!(decide(&pod(v).1, true, &cfg), Err(Skip::OptedOut));
+    }
+
+    #[test]
+    fn upstream_port_resolution() {
+        let cfg = InjectConfig::example();
+        let ports =
+            json!([{"containerPort":9000,"protocol":"UDP"},{"name":"web","containerPort":8080}]);
+        let (_, p) = pod(app(ports.clone()));
+        assert_eq!(decide(&p, true, &cfg).unwrap().upstream_port, 8080);
+        let mut v = app(ports.clone());
+        v["metadata"]["annotations"] = json!({UPSTREAM_PORT: "3000"});
+        assert_eq!(decide(&pod(v).1, true, &cfg).unwrap().upstream_port, 3000);
+        let mut v = app(ports.clone());
+        v["metadata"]["annotations"] = json!({UPSTREAM_PORT: "web"});
+        assert_eq!(decide(&pod(v).1, true, &cfg).unwrap().upstream_port, 8080);
+        let mut v = app(ports);
+        v["metadata"]["annotations"] = json!({UPSTREAM_PORT: "nope"});
+        assert!(matches!(
+            decide(&pod(v).1, true, &cfg),
+            Err(Skip::BadAnnotation(_))
+        ));
+        let (_, p) = pod(app(json!([])));
+        assert_eq!(decide(&p, true, &cfg), Err(Skip::NoUpstreamPort));
+        let (_, p) = pod(app(json!([{"containerPort":8081}])));
+        assert_eq!(decide(&p, true, &cfg), Err(Skip::PortConflict(8081)));
+        let mut v = app(json!([{"containerPort":8080}]));
+        v["spec"]["hostNetwork"] = json!(true);
+        assert_eq!(decide(&pod(v).1, true, &cfg), Err(Skip::HostNetwork));
+    }
+
+    #[test]
+    fn rewrite_names() {
+        assert_eq!(renamed_port("http"), "app-http");
+        assert_eq!(renamed_port("very-long-name1"), "app-very-long-n");
+        assert_eq!(renamed_port("abcdefghijk-xyz"), "app-abcdefghijk");
+        let cfg = InjectConfig::example();
+        let mut v = app(
+            json!([{"name":"http","containerPort":8080},{"name":"app-http","containerPort":1}]),
+        );
+        v["metadata"]["annotations"] = json!({REWRITE_PORT: "http"});
+        assert!(matches!(
+            decide(&pod(v).1, true, &cfg),
+            Err(Skip::BadAnnotation(_))
+        ));
+        let mut v = app(json!([{"name":"grpc","containerPort":8080}]));
+        v["metadata"]["annotations"] = json!({REWRITE_PORT: "http"});
+        let skip = decide(&pod(v).1, true, &cfg).unwrap_err();
+        assert!(skip.warns());
+        assert!(
+            skip.to_string()
+                .contains("no app container has a port named \"http\"")
+        );
+    }
+
+    #[test]
+    fn redis_urls_get_the_password_placeholder() {
+        let mut r = RedisConfig {
+            url: "redis://redis.db:6379/0".into(),
+            cluster: false,
+            password: Some(SecretKeyRef {
+                name: "redis".into(),
+                key: "password".into(),
+            }),
+        };
+        assert_eq!(
+            r.url_env().unwrap(),
+            "redis://:$(TOLLGATE_REDIS_PASSWORD)@redis.db:6379/0"
+        );
+        r.url = "rediss://tenant@redis.db:6380".into();
+        assert_eq!(
+            r.url_env().unwrap(),
+            "rediss://tenant:$(TOLLGATE_REDIS_PASSWORD)@redis.db:6380"
+        );
+        r.url = "redis://a:1, redis://b:2".into();
+        r.cluster = true;
+        assert_eq!(
+            r.url_env().unwrap(),
+            "redis://:$(TOLLGATE_REDIS_PASSWORD)@a:1,redis://:$(TOLLGATE_REDIS_PASSWORD)@b:2"
+        );
+        r.url = "http://x".into();
+        assert!(r.url_env().is_err());
+        r.url = "redis://u:p@x".into();
+        assert!(r.url_env().is_err());
+        r.password = None;
+        assert_eq!(r.url_env().unwrap(), "redis://u:p@x");
+    }
+
+    #[test]
+    fn patch_escapes_annotation_keys() {
+        let cfg = InjectConfig::example();
+        let mut v = app(json!([{"containerPort":8080}]));
+        v["metadata"]["annotations"] = json!({"a": "b"});
+        let (raw, p) = pod(v);
+        let plan = decide(&p, true, &cfg).unwrap();
+        let patch = patch(&raw, &p, &cfg, &plan);
+        let text = serde_json::to_string(&patch).unwrap();
+        assert!(
+            text.contains("\"/metadata/annotations/tollgate.dev~1sidecar-version\""),
+            "{text}"
+        );
+    }
+}

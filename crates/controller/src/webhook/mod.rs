@@ -1,0 +1,407 @@
+//! Admission webhooks, served over HTTPS on `--webhook-listen` (default `0.0.0.0:9443`) when
+//! `--webhook-cert-dir` is set:
+//!
+//! ```text
+//!  kube-apiserver ──POST AdmissionReview──▶ /inject/namespace   pod CREATE, namespace labelled
+//!                                          /inject/pod         pod CREATE, any other namespace
+//!                                          /validate-ratelimitpolicy   CREATE/UPDATE
+//!                                          /healthz
+//! ```
+//!
+//! - [`inject`]: whether a pod gets the sidecar and the JSON patch that adds it.
+//! - [`validate`]: `tollgate_crd::compile` on RateLimitPolicies, denying with every error.
+//! - [`tls`]: the serving certificate, reloaded when its files change.
+//! - [`certs`]: `--webhook-self-signed`: CA + certificate in a Secret, `caBundle` patching.
+//!
+//! **How the namespace opt-in reaches the handler.** A webhook configuration can filter by
+//! namespace *labels* but the request does not carry them. Instead of watching namespaces, the
+//! chart registers two webhooks that differ in their `namespaceSelector` and path: the one for
+//! namespaces labelled `tollgate.dev/inject: enabled` calls `/inject/namespace`, the other
+//! (every other namespace) calls `/inject/pod`. The API server evaluates the label at admission
+//! time, so there is no cache to go stale and no RBAC on namespaces. The handler re-checks the
+//! pod's own label/annotation and the opt-out in both cases.
+//!
+//! Pod admission never fails: an error or a pod that cannot be injected is admitted unchanged
+//! (with a warning kubectl prints when the pod asked for injection).
+
+pub mod args;
+pub mod certs;
+pub mod inject;
+pub mod tls;
+pub mod validate;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use kube::core::DynamicObject;
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tracing::Instrument;
+
+use self::args::WebhookArgs;
+use self::inject::{InjectConfig, Outcome};
+use self::tls::CertStore;
+use self::validate::Verdict;
+
+/// Path of the injection webhook for namespaces labelled `tollgate.dev/inject: enabled`.
+pub const PATH_INJECT_NAMESPACE: &str = "/inject/namespace";
+/// Path of the injection webhook for all other namespaces (pod-level opt-in only).
+pub const PATH_INJECT_POD: &str = "/inject/pod";
+/// Path of the RateLimitPolicy validating webhook.
+pub const PATH_VALIDATE_POLICY: &str = "/validate-ratelimitpolicy";
+/// Largest AdmissionReview accepted (objects are at most ~1.5 MiB in etcd).
+const MAX_BODY_BYTES: usize = 4 << 20;
+/// How long a client may take for the TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+// === metrics ===
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReviewLabels {
+    webhook: &'static str,
+    result: &'static str,
+}
+
+/// `tollgate_controller_webhook_reviews_total{webhook, result}`: `webhook` is `inject` or
+/// `validate`; `result` is `injected`, a skip reason (`opted_out`, `not_opted_in`,
+/// `already_injected`, `no_upstream_port`, ...), `allowed`, `denied` or `invalid`.
+#[derive(Clone, Debug, Default)]
+pub struct WebhookMetrics {
+    reviews: Family<ReviewLabels, Counter>,
+}
+
+impl WebhookMetrics {
+    /// Creates the metrics and registers them (the registry carries the controller's prefix).
+    pub fn register(registry: &mut Registry) -> WebhookMetrics {
+        let m = WebhookMetrics::default();
+        registry.register(
+            "webhook_reviews",
+            "Admission reviews answered, by webhook and result",
+            m.reviews.clone(),
+        );
+        m
+    }
+
+    fn review(&self, webhook: &'static str, result: &'static str) {
+        self.reviews
+            .get_or_create(&ReviewLabels { webhook, result })
+            .inc();
+    }
+
+    /// The count for one label pair (tests).
+    pub fn count(&self, webhook: &'static str, result: &'static str) -> u64 {
+        self.reviews
+            .get_or_create(&ReviewLabels { webhook, result })
+            .get()
+    }
+}
+
+// === Handler ===
+
+/// Answers AdmissionReviews; pure apart from logging and metrics.
+#[derive(Clone, Debug)]
+pub struct Handler {
+    inject: Arc<InjectConfig>,
+    metrics: WebhookMetrics,
+}
+
+impl Handler {
+    pub fn new(inject: InjectConfig, metrics: WebhookMetrics) -> Handler {
+        Handler {
+            inject: Arc::new(inject),
+            metrics,
+        }
+    }
+
+    /// The response review for a request body posted to `path`; `None` for an unknown path.
+    pub fn review(&self, path: &str, body: &[u8]) -> Option<AdmissionReview<DynamicObject>> {
+        let kind = match path {
+            PATH_INJECT_NAMESPACE => Kind::Inject {
+                namespace_opted_in: true,
+            },
+            PATH_INJECT_POD | "/inject" => Kind::Inject {
+                namespace_opted_in: false,
+            },
+            PATH_VALIDATE_POLICY => Kind::Validate,
+            _ => return None,
+        };
+        let webhook = match kind {
+            Kind::Inject { .. } => "inject",
+            Kind::Validate => "validate",
+        };
+        let review: AdmissionReview<DynamicObject> = match serde_json::from_slice(body) {
+            Ok(r) => r,
+            Err(e) => {
+                self.metrics.review(webhook, "invalid");
+                return Some(
+                    AdmissionResponse::invalid(format!("not an AdmissionReview: {e}"))
+                        .into_review(),
+                );
+            }
+        };
+        let req: AdmissionRequest<DynamicObject> = match review.try_into() {
+            Ok(r) => r,
+            Err(e) => {
+                self.metrics.review(webhook, "invalid");
+                return Some(AdmissionResponse::invalid(e).into_review());
+            }
+        };
+        let res = match kind {
+            Kind::Inject { namespace_opted_in } => self.mutate(&req, namespace_opted_in),
+            Kind::Validate => self.validate(&req),
+        };
+        Some(res.into_review())
+    }
+
+    fn mutate(
+        &self,
+        req: &AdmissionRequest<DynamicObject>,
+        namespace_opted_in: bool,
+    ) -> AdmissionResponse {
+        let mut res = AdmissionResponse::from(req);
+        let is_pod_create = req.operation == Operation::Create
+            && req.kind.group.is_empty()
+            && req.kind.kind == "Pod"
+            && req.sub_resource.is_none();
+        let Some(obj) = req.object.as_ref().filter(|_| is_pod_create) else {
+            self.metrics.review("inject", "ignored");
+            return res;
+        };
+        let namespace = req.namespace.as_deref().unwrap_or("");
+        let name = obj
+            .metadata
+            .name
+            .clone()
+            .filter(|n| !n.is_empty())
+            .or_else(|| obj.metadata.generate_name.as_ref().map(|g| format!("{g}*")))
+            .unwrap_or_default();
+        let outcome = serde_json::to_value(obj)
+            .and_then(|raw| inject::inject(&raw, namespace_opted_in, &self.inject));
+        match outcome {
+            Ok(Outcome::Injected(patch)) => match res.clone().with_patch(patch) {
+                Ok(patched) => {
+                    self.metrics.review("inject", "injected");
+                    tracing::info!(%namespace, pod = %name, dry_run = req.dry_run, "sidecar injected");
+                    res = patched;
+                }
+                Err(error) => {
+                    self.metrics.review("inject", "error");
+                    tracing::warn!(%namespace, pod = %name, %error, "cannot serialize the patch; pod admitted unchanged");
+                }
+            },
+            Ok(Outcome::Skipped(skip)) => {
+                self.metrics.review("inject", skip.reason());
+                if skip.warns() {
+                    tracing::info!(%namespace, pod = %name, reason = %skip, "sidecar not injected");
+                    res.warnings = Some(vec![format!("tollgate: sidecar not injected: {skip}")]);
+                } else {
+                    tracing::debug!(%namespace, pod = %name, reason = %skip, "sidecar not injected");
+                }
+            }
+            Err(error) => {
+                self.metrics.review("inject", "error");
+                tracing::warn!(%namespace, pod = %name, %error, "cannot decode the pod; admitted unchanged");
+                res.warnings = Some(vec![format!(
+                    "tollgate: sidecar not injected: cannot decode the pod: {error}"
+                )]);
+            }
+        }
+        res
+    }
+
+    fn validate(&self, req: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
+        let res = AdmissionResponse::from(req);
+        let to_value =
+            |o: &Option<DynamicObject>| o.as_ref().and_then(|o| serde_json::to_value(o).ok());
+        let object = to_value(&req.object);
+        let old = to_value(&req.old_object);
+        let verdict = validate::validate_policy(
+            &req.operation,
+            req.namespace.as_deref(),
+            &req.name,
+            object.as_ref(),
+            old.as_ref(),
+        );
+        match verdict {
+            Verdict::Allow => {
+                self.metrics.review("validate", "allowed");
+                res
+            }
+            Verdict::Deny(msg) => {
+                self.metrics.review("validate", "denied");
+                tracing::info!(namespace = ?req.namespace, policy = %req.name, errors = %msg, "RateLimitPolicy denied");
+                res.deny(format!("RateLimitPolicy {:?} is invalid: {msg}", req.name))
+            }
+        }
+    }
+
+    /// Serves one HTTP request.
+    pub async fn call<B>(&self, req: Request<B>) -> Response<Full<Bytes>>
+    where
+        B: hyper::body::Body,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let path = req.uri().path().to_string();
+        match (req.method(), path.as_str()) {
+            (&Method::GET, "/healthz" | "/readyz") => return text(StatusCode::OK, "ok\n"),
+            (&Method::POST, _) => {}
+            _ => return text(StatusCode::NOT_FOUND, "not found\n"),
+        }
+        let body = match Limited::new(req.into_body(), MAX_BODY_BYTES)
+            .collect()
+            .await
+        {
+            Ok(b) => b.to_bytes(),
+            Err(e) => {
+                return text(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    &format!("cannot read the body: {e}\n"),
+                );
+            }
+        };
+        match self.review(&path, &body) {
+            Some(review) => match serde_json::to_vec(&review) {
+                Ok(json) => Response::builder()
+                    .header(http::header::CONTENT_TYPE, "application/json")
+                    .body(Full::new(Bytes::from(json)))
+                    .expect("response"),
+                Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, &format!("{e}\n")),
+            },
+            None => text(StatusCode::NOT_FOUND, "not found\n"),
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Inject { namespace_opted_in: bool },
+    Validate,
+}
+
+fn text(status: StatusCode, body: &str) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(status)
+        .header(http::header::CONTENT_TYPE, "text/plain; charset=utf-8")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .expect("response")
+}
+
+// === serving ===
+
+/// Accepts TLS connections on `listener` until shutdown.
+pub async fn serve(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    handler: Handler,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(error) => {
+                    tracing::warn!(%error, "webhook accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            r = shutdown.changed() => {
+                if r.is_err() || *shutdown.borrow() {
+                    return;
+                }
+                continue;
+            }
+        };
+        let acceptor = acceptor.clone();
+        let handler = handler.clone();
+        tokio::spawn(async move {
+            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(error)) => {
+                    tracing::debug!(%peer, %error, "webhook TLS handshake failed");
+                    return;
+                }
+                Err(_) => return,
+            };
+            let service = hyper::service::service_fn(move |req| {
+                let handler = handler.clone();
+                async move { Ok::<_, Infallible>(handler.call(req).await) }
+            });
+            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+/// Starts the webhook server (and the self-signed certificate manager) when
+/// `--webhook-cert-dir` is set. Call before the registry is handed to the rule-stream server.
+pub async fn start(
+    client: &kube::Client,
+    args: &WebhookArgs,
+    registry: &mut Registry,
+    shutdown: watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    let Some(dir) = args.webhook_cert_dir.clone() else {
+        tracing::info!("admission webhooks off (no --webhook-cert-dir)");
+        return Ok(());
+    };
+    let config = args.inject_config()?;
+    let metrics = WebhookMetrics::register(registry);
+    let store = CertStore::new();
+    let tls = Arc::new(tls::server_config(store.clone())?);
+    let listener = TcpListener::bind(args.webhook_listen)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot listen on {} (--webhook-listen)",
+                args.webhook_listen
+            )
+        })?;
+    tracing::info!(listen = %args.webhook_listen, cert_dir = %dir.display(), self_signed = args.webhook_self_signed, image = %config.image, "serving admission webhooks");
+
+    if args.webhook_self_signed {
+        let cfg = certs::SelfSignedConfig {
+            secret_name: args.webhook_secret.clone(),
+            secret_namespace: args
+                .webhook_secret_namespace
+                .clone()
+                .unwrap_or_else(|| client.default_namespace().to_string()),
+            dns_names: args.webhook_dns_names.clone(),
+            cert_dir: dir.clone(),
+            mutating_webhook: args.mutating_webhook.clone(),
+            validating_webhook: args.validating_webhook.clone(),
+            check_interval: Duration::from_secs(60),
+        };
+        tokio::spawn(
+            certs::run(client.clone(), cfg, store.clone(), shutdown.clone())
+                .instrument(tracing::info_span!("webhook-certs")),
+        );
+    }
+    tokio::spawn(
+        store
+            .clone()
+            .watch_dir(dir, args.webhook_cert_reload_interval, shutdown.clone())
+            .instrument(tracing::info_span!("webhook-tls")),
+    );
+    tokio::spawn(
+        serve(listener, tls, Handler::new(config, metrics), shutdown)
+            .instrument(tracing::info_span!("webhook")),
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,197 @@
+use std::time::SystemTime;
+
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::certs::{Bundle, Renewal};
+use super::*;
+
+fn review(path: &str, kind: (&str, &str, &str), operation: &str, object: Value) -> Vec<u8> {
+    let (group, version, k) = kind;
+    serde_json::to_vec(&json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": format!("uid-{path}"),
+            "kind": {"group": group, "version": version, "kind": k},
+            "resource": {"group": group, "version": version, "resource": format!("{}s", k.to_lowercase())},
+            "name": object["metadata"]["name"].as_str().unwrap_or(""),
+            "namespace": "shop",
+            "operation": operation,
+            "userInfo": {"username": "admin"},
+            "object": object,
+            "oldObject": null,
+            "dryRun": false,
+        }
+    }))
+    .unwrap()
+}
+
+fn pod(annotations: Value) -> Value {
+    json!({"apiVersion":"v1","kind":"Pod",
+        "metadata":{"name":"api-1","namespace":"shop","annotations":annotations},
+        "spec":{"containers":[{"name":"app","image":"app:1","ports":[{"containerPort":8080,"protocol":"TCP"}]}]}})
+}
+
+fn handler() -> Handler {
+    Handler::new(InjectConfig::example(), WebhookMetrics::default())
+}
+
+fn response(r: AdmissionReview<DynamicObject>) -> Value {
+    serde_json::to_value(r).unwrap()["response"].clone()
+}
+
+#[test]
+fn namespace_path_injects_and_pod_path_needs_the_pod_opt_in() {
+    let h = handler();
+    let body = review(
+        PATH_INJECT_NAMESPACE,
+        ("", "v1", "Pod"),
+        "CREATE",
+        pod(json!({})),
+    );
+    let r = response(h.review(PATH_INJECT_NAMESPACE, &body).unwrap());
+    assert_eq!(r["allowed"], true);
+    assert_eq!(r["uid"], "uid-/inject/namespace");
+    assert_eq!(r["patchType"], "JSONPatch");
+    // kube-core sends the patch bytes as a JSON array of numbers (Go decodes []byte from both).
+    let bytes: Vec<u8> = serde_json::from_value(r["patch"].clone()).unwrap();
+    let ops: Vec<Value> = serde_json::from_slice(&bytes).unwrap();
+    assert!(
+        ops.iter().any(|op| op["path"] == "/spec/initContainers"),
+        "{ops:?}"
+    );
+
+    let r = response(h.review(PATH_INJECT_POD, &body).unwrap());
+    assert_eq!(r["allowed"], true);
+    assert!(r.get("patch").is_none(), "{r}");
+    assert!(r.get("warnings").is_none(), "{r}");
+
+    let body = review(
+        PATH_INJECT_POD,
+        ("", "v1", "Pod"),
+        "CREATE",
+        pod(json!({"tollgate.dev/inject": "enabled"})),
+    );
+    let r = response(h.review(PATH_INJECT_POD, &body).unwrap());
+    assert!(r["patch"].is_array());
+    assert_eq!(h.metrics.count("inject", "injected"), 2);
+    assert_eq!(h.metrics.count("inject", "not_opted_in"), 1);
+}
+
+#[test]
+fn never_denies_pods_and_warns_when_asked_but_impossible() {
+    let h = handler();
+    let mut p = pod(json!({"tollgate.dev/inject": "enabled", "tollgate.dev/rewrite-port": "web"}));
+    p["spec"]["containers"][0]["ports"] = json!([]);
+    let body = review(PATH_INJECT_POD, ("", "v1", "Pod"), "CREATE", p);
+    let r = response(h.review(PATH_INJECT_POD, &body).unwrap());
+    assert_eq!(r["allowed"], true);
+    assert!(r.get("patch").is_none());
+    let w = r["warnings"][0].as_str().unwrap();
+    assert!(w.starts_with("tollgate: sidecar not injected:"), "{w}");
+
+    // Updates and other kinds pass untouched.
+    let body = review(
+        PATH_INJECT_NAMESPACE,
+        ("", "v1", "Pod"),
+        "UPDATE",
+        pod(json!({})),
+    );
+    let r = response(h.review(PATH_INJECT_NAMESPACE, &body).unwrap());
+    assert_eq!(r["allowed"], true);
+    assert!(r.get("patch").is_none());
+
+    // Garbage is answered (not a 500) and counted.
+    let r = response(h.review(PATH_INJECT_NAMESPACE, b"{").unwrap());
+    assert_eq!(r["allowed"], false);
+    assert!(h.review("/elsewhere", b"{}").is_none());
+}
+
+#[test]
+fn validating_path_denies_naming_every_field() {
+    let h = handler();
+    let policy = json!({"apiVersion":"tollgate.dev/v1alpha1","kind":"RateLimitPolicy",
+        "metadata":{"name":"p","namespace":"shop","generation":1},
+        "spec":{"targetRef":{"selector":{}},"rules":[
+            {"name":"r","match":{"path":{"regex":"(oops"}},"limit":{"requests":1,"period":"1s"}}]}});
+    let body = review(
+        PATH_VALIDATE_POLICY,
+        ("tollgate.dev", "v1alpha1", "RateLimitPolicy"),
+        "CREATE",
+        policy,
+    );
+    let r = response(h.review(PATH_VALIDATE_POLICY, &body).unwrap());
+    assert_eq!(r["allowed"], false);
+    let msg = r["status"]["message"].as_str().unwrap();
+    assert!(msg.contains("spec.rules[0].match.path.regex"), "{msg}");
+    assert_eq!(h.metrics.count("validate", "denied"), 1);
+}
+
+/// The TLS server answers with the certificate on disk, and a new certificate on disk is served
+/// after a reload without restarting.
+#[tokio::test]
+async fn serves_https_and_picks_up_a_new_certificate() {
+    let dir = std::env::temp_dir().join(format!("tollgate-webhook-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let sans = vec!["127.0.0.1".to_string(), "localhost".to_string()];
+    let now = SystemTime::now();
+    let a = Bundle::issue(Renewal::NewCa("test"), None, &sans, now).unwrap();
+    let b = Bundle::issue(Renewal::NewCert("test"), Some(&a), &sans, now).unwrap();
+    tls::write_if_changed(&dir, tls::CERT_FILE, a.cert_pem.as_bytes(), 0o644).unwrap();
+    tls::write_if_changed(&dir, tls::KEY_FILE, a.key_pem.as_bytes(), 0o600).unwrap();
+
+    let store = CertStore::new();
+    assert!(store.load_dir(&dir).unwrap());
+    assert!(
+        !store.load_dir(&dir).unwrap(),
+        "unchanged files are not reloaded"
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (_tx, rx) = watch::channel(false);
+    let cfg = Arc::new(tls::server_config(store.clone()).unwrap());
+    tokio::spawn(serve(listener, cfg, handler(), rx));
+
+    let served = |expect: String| {
+        let ca = a.ca_pem.clone();
+        async move {
+            use rustls::pki_types::pem::PemObject;
+            let mut roots = rustls::RootCertStore::empty();
+            for c in rustls::pki_types::CertificateDer::pem_slice_iter(ca.as_bytes()) {
+                roots.add(c.unwrap()).unwrap();
+            }
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let client = rustls::ClientConfig::builder_with_provider(provider)
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+            let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
+            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+            let mut tls = connector.connect(name, tcp).await.unwrap();
+            let peer = tls.get_ref().1.peer_certificates().unwrap()[0].clone();
+            let want =
+                rustls::pki_types::CertificateDer::from_pem_slice(expect.as_bytes()).unwrap();
+            assert_eq!(peer, want);
+            tls.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                .await
+                .unwrap();
+            let mut out = String::new();
+            tls.read_to_string(&mut out).await.unwrap();
+            assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+        }
+    };
+    served(a.cert_pem.clone()).await;
+    tls::write_if_changed(&dir, tls::CERT_FILE, b.cert_pem.as_bytes(), 0o644).unwrap();
+    tls::write_if_changed(&dir, tls::KEY_FILE, b.key_pem.as_bytes(), 0o600).unwrap();
+    assert!(store.load_dir(&dir).unwrap());
+    served(b.cert_pem.clone()).await;
+
+    // A broken file keeps the previous certificate.
+    std::fs::write(dir.join(tls::KEY_FILE), b"garbage").unwrap();
+    assert!(store.load_dir(&dir).is_err());
+    served(b.cert_pem.clone()).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,939 @@
+//! The Helm chart and the admission webhooks, with the real helm binary, a real control plane
+//! (etcd + kube-apiserver) and the real `tollgate-controller` binary as local processes:
+//!
+//! - the chart's CRD is a byte-for-byte copy of `manifests/crds/`, `manifests/install.yaml` is
+//!   exactly `helm template` output, `helm lint` passes and bad values fail with the path and the
+//!   reason (`values.schema.json`);
+//! - `helm install --no-hooks` creates every object and the CRD becomes Established;
+//! - the controller running with the chart's ServiceAccount permissions (impersonated) in
+//!   self-signed mode fills the webhook Secret, patches both `caBundle`s, takes its Lease and
+//!   serves a certificate the API server trusts;
+//! - with the control plane's test PKI, the controller behind the chart's own webhook selectors
+//!   (turned into `clientConfig.url`s) injects the native sidecar into pods of labelled
+//!   namespaces and pods that opt in, leaves other and opted-out pods alone, and denies a
+//!   RateLimitPolicy whose regex does not compile, naming the field.
+//!
+//! The controller binary: `$TOLLGATE_CONTROLLER_BIN`, else `target/<profile>/tollgate-controller`
+//! next to this test binary. `cargo test --workspace` builds it (the controller package has
+//! integration tests); when running only this package, `cargo build -p tollgate-controller`
+//! first. A binary older than the controller's sources is refused rather than tested.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tollgate_e2e::{ControlPlane, repo_root};
+
+const RELEASE: &str = "tollgate";
+const NS: &str = "tollgate-system";
+const CHART: &str = "charts/tollgate";
+
+// === helpers ===
+
+/// The helm binary built by tools/k8sbin (same lookup as the harness).
+fn helm_bin() -> PathBuf {
+    if let Ok(dir) = std::env::var("K8SBIN_DIR") {
+        return PathBuf::from(dir).join("helm");
+    }
+    let root = repo_root();
+    let versions =
+        std::fs::read_to_string(root.join("tools/k8sbin/versions.env")).unwrap_or_default();
+    let get = |k: &str| {
+        versions
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{k}=")))
+            .unwrap_or("")
+            .trim()
+            .to_string()
+    };
+    root.join(".cache/k8sbin")
+        .join(format!(
+            "{}-{}-{}",
+            get("K8S_VERSION"),
+            get("ETCD_VERSION"),
+            get("HELM_VERSION")
+        ))
+        .join("helm")
+}
+
+/// Runs helm without a cluster, with throw-away helm home directories.
+fn helm_offline(args: &[&str]) -> Output {
+    let bin = helm_bin();
+    assert!(
+        bin.is_file(),
+        "{} is missing: build it with tools/k8sbin/build.sh (tools/test-all.sh does)",
+        bin.display()
+    );
+    let home = tempfile::tempdir().unwrap();
+    Command::new(bin)
+        .args(args)
+        .current_dir(repo_root())
+        .env("HELM_CACHE_HOME", home.path().join("cache"))
+        .env("HELM_CONFIG_HOME", home.path().join("config"))
+        .env("HELM_DATA_HOME", home.path().join("data"))
+        .env_remove("KUBECONFIG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run helm")
+}
+
+/// Runs helm against the control plane.
+fn helm(cp: &ControlPlane, args: &[&str]) -> Output {
+    let mut cmd = Command::new(cp.helm_bin());
+    cmd.args(args)
+        .current_dir(repo_root())
+        .env("KUBECONFIG", cp.kubeconfig())
+        .stdin(Stdio::null());
+    for (k, v) in &cp.env {
+        if k.starts_with("HELM_") {
+            cmd.env(k, v);
+        }
+    }
+    cmd.output().expect("run helm")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// kubectl … -o json, parsed.
+fn get_json(cp: &ControlPlane, args: &[&str]) -> Value {
+    let mut a = args.to_vec();
+    a.extend(["-o", "json"]);
+    serde_json::from_str(&cp.ok(&a)).unwrap()
+}
+
+/// `kubectl create -f - -o json` (or a server-side dry run); Ok(object) or Err(stderr).
+fn create(cp: &ControlPlane, obj: &Value, dry_run: bool) -> Result<Value, String> {
+    let mut args = vec!["create", "-f", "-", "-o", "json"];
+    if dry_run {
+        args.push("--dry-run=server");
+    }
+    let out = cp.kubectl_stdin(&args, Some(&obj.to_string()));
+    if out.status.success() {
+        Ok(serde_json::from_slice(&out.stdout).unwrap())
+    } else {
+        Err(text(&out.stderr))
+    }
+}
+
+/// The controller binary (see the module docs).
+fn controller_bin() -> PathBuf {
+    let bin = match std::env::var_os("TOLLGATE_CONTROLLER_BIN") {
+        Some(p) => PathBuf::from(p),
+        None => {
+            // target/<profile>/deps/<this test> → target/<profile>/tollgate-controller
+            let exe = std::env::current_exe().unwrap();
+            exe.parent().and_then(Path::parent).unwrap().join(format!(
+                "tollgate-controller{}",
+                std::env::consts::EXE_SUFFIX
+            ))
+        }
+    };
+    assert!(
+        bin.is_file(),
+        "{} is missing: run `cargo build -p tollgate-controller` (cargo test --workspace builds it) \
+         or set TOLLGATE_CONTROLLER_BIN",
+        bin.display()
+    );
+    // Refuse a binary older than the sources it was built from (cargo's dep-info lists them).
+    let built = std::fs::metadata(&bin).and_then(|m| m.modified()).unwrap();
+    let dep_info = std::fs::read_to_string(bin.with_extension("d")).unwrap_or_default();
+    let stale: Vec<&str> = dep_info
+        .split_once(": ")
+        .map(|(_, deps)| deps)
+        .unwrap_or("")
+        .split_whitespace()
+        .filter(|dep| {
+            std::fs::metadata(dep)
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t > built)
+        })
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "{} is older than {stale:?}: run `cargo build -p tollgate-controller`",
+        bin.display()
+    );
+    bin
+}
+
+/// A controller process, killed (by its PID) when dropped; its log is printed on failure.
+struct Controller {
+    child: Child,
+    log: PathBuf,
+    name: &'static str,
+}
+
+impl Controller {
+    fn start(name: &'static str, kubeconfig: &Path, args: &[String], dir: &Path) -> Controller {
+        let log = dir.join(format!("{name}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(controller_bin())
+            .args(args)
+            .env("KUBECONFIG", kubeconfig)
+            .env("RUST_LOG", "info,tollgate_controller=debug")
+            .env("TOLLGATE_LOG_FORMAT", "plain")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .expect("start tollgate-controller");
+        Controller { child, log, name }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn assert_running(&mut self) {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            panic!("{} exited ({status}):\n{}", self.name, self.log());
+        }
+    }
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            let log = self.log();
+            let lines: Vec<&str> = log.lines().collect();
+            eprintln!(
+                "--- {} log (last 60 lines) ---\n{}",
+                self.name,
+                lines[lines.len().saturating_sub(60)..].join("\n")
+            );
+        }
+    }
+}
+
+fn base64(bytes: &[u8]) -> String {
+    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(T[((n >> (18 - 6 * i)) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+fn unbase64(s: &str) -> Vec<u8> {
+    let val = |c: u8| -> u32 {
+        match c {
+            b'A'..=b'Z' => u32::from(c - b'A'),
+            b'a'..=b'z' => u32::from(c - b'a') + 26,
+            b'0'..=b'9' => u32::from(c - b'0') + 52,
+            b'+' => 62,
+            _ => 63,
+        }
+    };
+    let clean: Vec<u8> = s.bytes().filter(|c| !c.is_ascii_whitespace()).collect();
+    let mut out = Vec::new();
+    for chunk in clean.chunks(4) {
+        let pad = chunk.iter().filter(|&&c| c == b'=').count();
+        let n = chunk.iter().fold(0u32, |acc, &c| {
+            (acc << 6) | if c == b'=' { 0 } else { val(c) }
+        });
+        let bytes = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
+        out.extend_from_slice(&bytes[..3 - pad]);
+    }
+    out
+}
+
+// === tests without a cluster ===
+
+#[test]
+fn chart_crd_is_a_copy_of_the_generated_crd() {
+    let root = repo_root();
+    let generated =
+        std::fs::read(root.join("manifests/crds/tollgate.dev_ratelimitpolicies.yaml")).unwrap();
+    let in_chart =
+        std::fs::read(root.join("charts/tollgate/crds/tollgate.dev_ratelimitpolicies.yaml"))
+            .unwrap_or_default();
+    assert!(
+        generated == in_chart,
+        "charts/tollgate/crds/ differs from manifests/crds/; copy it:\n  \
+         cp manifests/crds/tollgate.dev_ratelimitpolicies.yaml charts/tollgate/crds/"
+    );
+}
+
+#[test]
+fn install_yaml_is_exactly_helm_template_output() {
+    let out = helm_offline(&[
+        "template",
+        RELEASE,
+        CHART,
+        "--namespace",
+        NS,
+        "--include-crds",
+        "--set",
+        "namespace.create=true",
+    ]);
+    assert!(out.status.success(), "helm template: {}", text(&out.stderr));
+    let rendered = text(&out.stdout);
+    let file = std::fs::read_to_string(repo_root().join("manifests/install.yaml")).unwrap();
+    let marker = "# ---- rendered by helm template below this line ----\n";
+    let body = file
+        .split_once(marker)
+        .map(|(_, b)| b)
+        .unwrap_or_else(|| panic!("manifests/install.yaml lacks the line {marker:?}"));
+    assert!(
+        body == rendered,
+        "manifests/install.yaml is out of date with charts/tollgate; regenerate it with the \
+         command in its header"
+    );
+    // The bundle is complete on its own.
+    for kind in [
+        "kind: CustomResourceDefinition",
+        "kind: Namespace",
+        "kind: Deployment",
+        "kind: MutatingWebhookConfiguration",
+        "kind: ValidatingWebhookConfiguration",
+    ] {
+        assert!(rendered.contains(kind), "install.yaml lacks {kind}");
+    }
+}
+
+#[test]
+fn helm_lint_passes_with_default_and_full_values() {
+    for set in [
+        "",
+        "replicas=2,networkPolicy.enabled=true,serviceMonitor.enabled=true,redis.dev.enabled=true",
+        "certManager.enabled=true,controller.watchNamespaces={a,b},redis.url=rediss://r:6380,redis.auth.secretName=redis",
+    ] {
+        let mut args = vec!["lint", CHART, "--strict"];
+        if !set.is_empty() {
+            args.extend(["--set", set]);
+        }
+        let out = helm_offline(&args);
+        assert!(
+            out.status.success(),
+            "helm lint --set {set:?}:\n{}{}",
+            text(&out.stdout),
+            text(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn bad_values_fail_with_the_path_and_the_reason() {
+    let cases: &[(&str, &[&str])] = &[
+        ("replicas=0", &["/replicas", "minimum"]),
+        (
+            "webhook.failurePolicy=Sometimes",
+            &["/webhook/failurePolicy", "'Ignore', 'Fail'"],
+        ),
+        (
+            "redis.url=http://redis:6379",
+            &["/redis/url", "does not match pattern"],
+        ),
+        (
+            "image.tagg=v1",
+            &["/image", "additional properties 'tagg' not allowed"],
+        ),
+        (
+            "redis.dev.enabled=true,redis.url=redis://redis:6379",
+            &[
+                "/redis/url",
+                "set either redis.url or redis.dev.enabled, not both",
+            ],
+        ),
+        ("sidecar.port=http", &["/sidecar/port", "want integer"]),
+        (
+            "certManager.issuerRef.kind=Vault",
+            &["/certManager/issuerRef/kind", "'Issuer', 'ClusterIssuer'"],
+        ),
+    ];
+    for (set, needles) in cases {
+        let out = helm_offline(&["template", RELEASE, CHART, "--set", set]);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "--set {set} was accepted");
+        assert!(
+            err.contains("values don't meet the specifications of the schema"),
+            "--set {set}: not a schema error: {err}"
+        );
+        for n in *needles {
+            assert!(err.contains(n), "--set {set}: {n:?} missing in: {err}");
+        }
+    }
+    // What a schema cannot compare is checked by the templates, also with a clear message.
+    let out = helm_offline(&["template", RELEASE, CHART, "--set", "sidecar.port=9091"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("sidecar.port and sidecar.adminPort must differ"));
+}
+
+// === the cluster test ===
+
+/// The chart's webhook configurations rendered as JSON, pointed at `https://127.0.0.1:<port>`
+/// with `ca` as caBundle, under new names.
+fn chart_webhooks_as_urls(cp: &ControlPlane, port: u16, ca: &[u8], suffix: &str) -> Vec<Value> {
+    let out = helm_offline(&[
+        "template",
+        RELEASE,
+        CHART,
+        "--namespace",
+        NS,
+        "--show-only",
+        "templates/webhooks.yaml",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let converted = cp.kubectl_stdin(
+        &["create", "--dry-run=client", "-o", "json", "-f", "-"],
+        Some(&text(&out.stdout)),
+    );
+    assert!(converted.status.success(), "{}", text(&converted.stderr));
+    // One JSON object per document, one after the other.
+    let mut items: Vec<Value> = serde_json::Deserializer::from_slice(&converted.stdout)
+        .into_iter::<Value>()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(items.len(), 2, "{}", text(&converted.stdout));
+    for item in &mut items {
+        let name = item["metadata"]["name"].as_str().unwrap().to_string();
+        item["metadata"] = json!({"name": format!("{name}-{suffix}")});
+        for hook in item["webhooks"].as_array_mut().unwrap() {
+            let path = hook["clientConfig"]["service"]["path"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            hook["clientConfig"] = json!({
+                "url": format!("https://127.0.0.1:{port}{path}"),
+                "caBundle": base64(ca),
+            });
+        }
+    }
+    items
+}
+
+fn pod(name: &str, ns: &str, labels: Value, annotations: Value) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, "labels": labels, "annotations": annotations},
+        "spec": {"containers": [{
+            "name": "app", "image": "registry.k8s.io/e2e-test-images/agnhost:2.53",
+            "args": ["netexec", "--http-port=8080"],
+            "ports": [{"name": "http", "containerPort": 8080}]
+        }]}
+    })
+}
+
+fn sidecar_of(pod: &Value) -> Option<&Value> {
+    pod["spec"]["initContainers"]
+        .as_array()?
+        .iter()
+        .find(|c| c["name"] == "tollgate-sidecar")
+}
+
+fn policy(name: &str, ns: &str, path: Value) -> Value {
+    json!({
+        "apiVersion": "tollgate.dev/v1alpha1", "kind": "RateLimitPolicy",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"targetRef": {"selector": {}}, "rules": [
+            {"name": "r", "match": {"path": path}, "limit": {"requests": 10, "period": "1s"}}
+        ]}
+    })
+}
+
+#[test]
+fn chart_installs_and_the_controller_injects_sidecars_and_validates_policies() {
+    let cp = ControlPlane::start();
+    let work = tempfile::tempdir().unwrap();
+
+    // --- helm install: every object is created, the CRD is established.
+    let values = "replicas=2,networkPolicy.enabled=true,redis.dev.enabled=true";
+    let out = helm(
+        &cp,
+        &[
+            "install",
+            RELEASE,
+            CHART,
+            "-n",
+            NS,
+            "--create-namespace",
+            "--no-hooks",
+            "--set",
+            values,
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "helm install: {}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    let manifest = helm(&cp, &["get", "manifest", RELEASE, "-n", NS]);
+    assert!(manifest.status.success(), "{}", text(&manifest.stderr));
+    let manifest = text(&manifest.stdout);
+    let expected =
+        manifest.matches("\nkind: ").count() + usize::from(manifest.starts_with("kind: "));
+    let listed = cp.kubectl_stdin(&["get", "-f", "-", "-o", "name"], Some(&manifest));
+    assert!(
+        listed.status.success(),
+        "an object of the release is missing: {}",
+        text(&listed.stderr)
+    );
+    let names = text(&listed.stdout);
+    assert_eq!(names.lines().count(), expected, "{names}");
+    for want in [
+        "serviceaccount/tollgate-controller",
+        "secret/tollgate-webhook-tls",
+        "clusterrole.rbac.authorization.k8s.io/tollgate-controller",
+        "clusterrole.rbac.authorization.k8s.io/tollgate-controller-cluster",
+        "clusterrolebinding.rbac.authorization.k8s.io/tollgate-controller",
+        "role.rbac.authorization.k8s.io/tollgate-controller",
+        "rolebinding.rbac.authorization.k8s.io/tollgate-controller",
+        "service/tollgate-controller",
+        "service/tollgate-redis",
+        "deployment.apps/tollgate-controller",
+        "deployment.apps/tollgate-redis",
+        "poddisruptionbudget.policy/tollgate-controller",
+        "networkpolicy.networking.k8s.io/tollgate-controller",
+        "networkpolicy.networking.k8s.io/tollgate-redis",
+        "mutatingwebhookconfiguration.admissionregistration.k8s.io/tollgate-sidecar-injector",
+        "validatingwebhookconfiguration.admissionregistration.k8s.io/tollgate-policy-validator",
+    ] {
+        assert!(
+            names.lines().any(|l| l == want),
+            "{want} not created:\n{names}"
+        );
+    }
+    cp.ok(&[
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/ratelimitpolicies.tollgate.dev",
+    ]);
+    let deploy = get_json(&cp, &["-n", NS, "get", "deployment", "tollgate-controller"]);
+    let spec = &deploy["spec"]["template"]["spec"];
+    assert_eq!(spec["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(
+        spec["containers"][0]["securityContext"]["readOnlyRootFilesystem"],
+        true
+    );
+    assert!(
+        spec["affinity"]["podAntiAffinity"].is_object(),
+        "anti-affinity with 2 replicas"
+    );
+
+    // --- self-signed mode with exactly the chart's permissions (impersonating its
+    // ServiceAccount) and the chart's flags.
+    let sa_kubeconfig = work.path().join("sa-kubeconfig");
+    let admin = std::fs::read_to_string(cp.kubeconfig()).unwrap();
+    assert!(
+        admin.contains("\n  user:\n"),
+        "unexpected kubeconfig layout"
+    );
+    std::fs::write(
+        &sa_kubeconfig,
+        admin.replace(
+            "\n  user:\n",
+            &format!("\n  user:\n    as: system:serviceaccount:{NS}:tollgate-controller\n"),
+        ),
+    )
+    .unwrap();
+    let ss_port = free_port();
+    let ss_stream = free_port();
+    let chart_args: Vec<String> = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .filter(|a| {
+            !a.starts_with("--listen=")
+                && !a.starts_with("--webhook-listen=")
+                && !a.starts_with("--webhook-cert-dir=")
+        })
+        .chain([
+            format!("--listen=127.0.0.1:{ss_stream}"),
+            format!("--webhook-listen=127.0.0.1:{ss_port}"),
+            format!(
+                "--webhook-cert-dir={}",
+                work.path().join("ss-certs").display()
+            ),
+            "--identity=e2e-self-signed".to_string(),
+        ])
+        .collect();
+    assert!(
+        chart_args.iter().any(|a| a == "--webhook-self-signed"),
+        "{chart_args:?}"
+    );
+    let mut ss = Controller::start(
+        "controller-self-signed",
+        &sa_kubeconfig,
+        &chart_args,
+        work.path(),
+    );
+
+    let ca = wait_for(
+        "the controller to fill the webhook Secret",
+        Duration::from_secs(60),
+        || {
+            ss.assert_running();
+            let s = get_json(&cp, &["-n", NS, "get", "secret", "tollgate-webhook-tls"]);
+            let ca = s["data"]["ca.crt"].as_str()?;
+            s["data"]["tls.crt"].as_str()?;
+            Some(unbase64(ca))
+        },
+    );
+    assert!(text(&ca).contains("BEGIN CERTIFICATE"));
+    for kind in [
+        "mutatingwebhookconfiguration/tollgate-sidecar-injector",
+        "validatingwebhookconfiguration/tollgate-policy-validator",
+    ] {
+        wait_for(
+            &format!("caBundle on {kind}"),
+            Duration::from_secs(30),
+            || {
+                ss.assert_running();
+                let cfg = get_json(&cp, &["get", kind]);
+                cfg["webhooks"]
+                    .as_array()?
+                    .iter()
+                    .all(|w| {
+                        w["clientConfig"]["caBundle"]
+                            .as_str()
+                            .map(unbase64)
+                            .as_deref()
+                            == Some(&ca[..])
+                    })
+                    .then_some(())
+            },
+        );
+    }
+    // The written files are the Secret's.
+    let on_disk = std::fs::read(work.path().join("ss-certs/ca.crt")).unwrap();
+    assert_eq!(on_disk, ca);
+    // Leader election and the initial list work with the chart's RBAC.
+    wait_for("the Lease", Duration::from_secs(30), || {
+        ss.assert_running();
+        let out = cp.kubectl(&[
+            "-n",
+            NS,
+            "get",
+            "lease",
+            "tollgate-controller",
+            "-o",
+            "jsonpath={.spec.holderIdentity}",
+        ]);
+        (text(&out.stdout) == "e2e-self-signed").then_some(())
+    });
+    wait_for(
+        "/readyz of the self-signed controller",
+        Duration::from_secs(30),
+        || {
+            ss.assert_running();
+            let out = Command::new("curl")
+                .args([
+                    "-fsS",
+                    "-m",
+                    "2",
+                    &format!("http://127.0.0.1:{ss_stream}/readyz"),
+                ])
+                .output()
+                .ok()?;
+            out.status.success().then_some(())
+        },
+    );
+    assert!(
+        !ss.log().contains("Forbidden") && !ss.log().contains("forbidden"),
+        "the chart's RBAC is missing a permission:\n{}",
+        ss.log()
+    );
+
+    // The chart's own webhooks point at a Service that cannot be reached here; replace them
+    // with the same selectors and paths on 127.0.0.1.
+    cp.ok(&[
+        "delete",
+        "mutatingwebhookconfiguration/tollgate-sidecar-injector",
+        "validatingwebhookconfiguration/tollgate-policy-validator",
+    ]);
+
+    // The API server trusts the self-signed certificate: a validating webhook served by this
+    // controller (failurePolicy Fail) answers.
+    for cfg in chart_webhooks_as_urls(&cp, ss_port, &ca, "self-signed") {
+        if cfg["kind"] == "ValidatingWebhookConfiguration" {
+            create(&cp, &cfg, false).unwrap();
+        }
+    }
+    cp.ok(&["create", "namespace", "shop"]);
+    let bad = policy("bad", "shop", json!({"regex": "(unclosed"}));
+    let err = wait_for(
+        "the self-signed validating webhook",
+        Duration::from_secs(30),
+        || {
+            ss.assert_running();
+            create(&cp, &bad, true)
+                .err()
+                .filter(|e| e.contains("denied the request"))
+        },
+    );
+    assert!(err.contains("spec.rules[0].match.path.regex"), "{err}");
+
+    // --- the controller with the control plane's test PKI (RUN_DIR/pki/webhook.{crt,key}).
+    let pki = PathBuf::from(&cp.env["K8S_CA_FILE"])
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let certs = work.path().join("pki-certs");
+    std::fs::create_dir_all(&certs).unwrap();
+    std::fs::copy(pki.join("webhook.crt"), certs.join("tls.crt")).unwrap();
+    std::fs::copy(pki.join("webhook.key"), certs.join("tls.key")).unwrap();
+    let ca_pki = std::fs::read(pki.join("ca.crt")).unwrap();
+    let port = free_port();
+    let stream = free_port();
+    let args: Vec<String> = vec![
+        format!("--listen=127.0.0.1:{stream}"),
+        format!("--webhook-listen=127.0.0.1:{port}"),
+        format!("--webhook-cert-dir={}", certs.display()),
+        "--leader-election=false".into(),
+        "--sidecar-image=registry.example/tollgate-sidecar:e2e".into(),
+        format!("--sidecar-controller-url=http://tollgate-controller.{NS}.svc:8090"),
+        "--sidecar-arg=--log-format=text".into(),
+    ];
+    let mut ctl = Controller::start("controller-pki", &cp.kubeconfig(), &args, work.path());
+    for cfg in chart_webhooks_as_urls(&cp, port, &ca_pki, "e2e") {
+        create(&cp, &cfg, false).unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    cp.ok(&["create", "namespace", "injected"]);
+    cp.ok(&[
+        "label",
+        "namespace",
+        "injected",
+        "tollgate.dev/inject=enabled",
+    ]);
+    cp.ok(&["create", "namespace", "plain"]);
+
+    // Wait until the mutating webhook is live (dry runs reach webhooks with sideEffects None).
+    let probe = pod("probe", "injected", json!({}), json!({}));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        ctl.assert_running();
+        let last = match create(&cp, &probe, true) {
+            Ok(p) if sidecar_of(&p).is_some() => break,
+            Ok(p) => format!("not injected yet: {p}"),
+            Err(e) => e,
+        };
+        assert!(
+            Instant::now() < deadline,
+            "the injection webhook never answered; last: {last}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    // A pod in a labelled namespace gets the native sidecar.
+    let p = create(
+        &cp,
+        &pod("api-1", "injected", json!({"app": "api"}), json!({})),
+        false,
+    )
+    .unwrap();
+    let sc = sidecar_of(&p).unwrap_or_else(|| panic!("not injected: {p:#}"));
+    assert_eq!(sc["restartPolicy"], "Always", "native sidecar");
+    assert_eq!(sc["image"], "registry.example/tollgate-sidecar:e2e");
+    let args: Vec<&str> = sc["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert!(
+        args.contains(&"--upstream=http://127.0.0.1:8080"),
+        "{args:?}"
+    );
+    assert!(args.contains(&"--listen=0.0.0.0:8081"), "{args:?}");
+    assert!(args.contains(&"--admin=0.0.0.0:9091"), "{args:?}");
+    assert!(args.contains(&"--log-format=text"), "{args:?}");
+    assert_eq!(sc["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(sc["securityContext"]["readOnlyRootFilesystem"], true);
+    assert_eq!(
+        sc["securityContext"]["seccompProfile"]["type"],
+        "RuntimeDefault"
+    );
+    assert_eq!(sc["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(sc["startupProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(
+        p["metadata"]["annotations"]["tollgate.dev/sidecar-version"],
+        "e2e"
+    );
+    let token = p["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "tollgate-token")
+        .unwrap_or_else(|| panic!("no token volume: {p:#}"));
+    assert_eq!(
+        token["projected"]["sources"][0]["serviceAccountToken"]["audience"],
+        "tollgate"
+    );
+    // The app container is as it was.
+    assert_eq!(p["spec"]["containers"].as_array().unwrap().len(), 1);
+
+    // A pod in an unlabelled namespace comes back unchanged ...
+    let p = create(&cp, &pod("api-2", "plain", json!({}), json!({})), false).unwrap();
+    assert!(p["spec"]["initContainers"].is_null(), "{p:#}");
+    assert!(p["metadata"]["annotations"]["tollgate.dev/sidecar-version"].is_null());
+    // ... unless it opts in itself, by annotation or label.
+    let p = create(
+        &cp,
+        &pod(
+            "api-3",
+            "plain",
+            json!({}),
+            json!({"tollgate.dev/inject": "enabled"}),
+        ),
+        false,
+    )
+    .unwrap();
+    assert!(sidecar_of(&p).is_some(), "annotation opt-in: {p:#}");
+    let p = create(
+        &cp,
+        &pod(
+            "api-4",
+            "plain",
+            json!({"tollgate.dev/inject": "enabled"}),
+            json!({}),
+        ),
+        false,
+    )
+    .unwrap();
+    assert!(sidecar_of(&p).is_some(), "label opt-in: {p:#}");
+
+    // Opted-out pods in a labelled namespace come back unchanged (annotation: the handler
+    // decides; label: the objectSelector keeps the webhook from being called).
+    let p = create(
+        &cp,
+        &pod(
+            "batch-1",
+            "injected",
+            json!({}),
+            json!({"tollgate.dev/inject": "disabled"}),
+        ),
+        false,
+    )
+    .unwrap();
+    assert!(p["spec"]["initContainers"].is_null(), "{p:#}");
+    let p = create(
+        &cp,
+        &pod(
+            "batch-2",
+            "injected",
+            json!({"tollgate.dev/inject": "disabled"}),
+            json!({}),
+        ),
+        false,
+    )
+    .unwrap();
+    assert!(p["spec"]["initContainers"].is_null(), "{p:#}");
+
+    // A pod that asks for injection but cannot get it is still created, with a warning.
+    let mut portless = pod(
+        "no-port",
+        "plain",
+        json!({"tollgate.dev/inject": "enabled"}),
+        json!({}),
+    );
+    portless["spec"]["containers"][0]["ports"] = json!([]);
+    let out = cp.kubectl_stdin(&["create", "-f", "-"], Some(&portless.to_string()));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("tollgate: sidecar not injected"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    // The demo app: its pod template gets the sidecar, which takes over the named port.
+    let demo = std::fs::read_to_string(repo_root().join("manifests/demo-app.yaml")).unwrap();
+    cp.apply(&demo)
+        .unwrap_or_else(|e| panic!("demo-app.yaml: {e}"));
+    let template =
+        get_json(&cp, &["-n", "demo", "get", "deployment", "echo"])["spec"]["template"].clone();
+    let mut demo_pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": template["metadata"], "spec": template["spec"]});
+    demo_pod["metadata"]["name"] = json!("echo-1");
+    demo_pod["metadata"]["namespace"] = json!("demo");
+    let p = create(&cp, &demo_pod, false).unwrap();
+    let sc = sidecar_of(&p).unwrap_or_else(|| panic!("demo pod not injected: {p:#}"));
+    assert_eq!(sc["ports"][0]["name"], "http");
+    assert_eq!(p["spec"]["containers"][0]["ports"][0]["name"], "app-http");
+    assert_eq!(
+        p["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"],
+        "app-http"
+    );
+    assert_eq!(
+        get_json(&cp, &["-n", "demo", "get", "rlp", "echo-per-client"])["metadata"]["name"],
+        "echo-per-client"
+    );
+
+    // An invalid policy the CRD's CEL rules cannot catch is denied, naming the field ...
+    let err = create(&cp, &bad, false).unwrap_err();
+    assert!(err.contains("denied the request"), "{err}");
+    assert!(err.contains("spec.rules[0].match.path.regex"), "{err}");
+    assert!(err.contains("RateLimitPolicy \"bad\" is invalid"), "{err}");
+    // ... a valid one is admitted by both validating webhooks.
+    create(
+        &cp,
+        &policy("good", "shop", json!({"prefix": "/api"})),
+        false,
+    )
+    .unwrap();
+
+    // Both controllers answered through their metrics.
+    let metrics = Command::new("curl")
+        .args([
+            "-fsS",
+            "-m",
+            "2",
+            &format!("http://127.0.0.1:{stream}/metrics"),
+        ])
+        .output()
+        .unwrap();
+    let metrics = text(&metrics.stdout);
+    assert!(
+        metrics.contains(
+            "tollgate_controller_webhook_reviews_total{webhook=\"inject\",result=\"injected\"}"
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("webhook=\"validate\",result=\"denied\""),
+        "{metrics}"
+    );
+    ctl.assert_running();
+    ss.assert_running();
+}
