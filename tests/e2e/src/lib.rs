@@ -145,6 +145,15 @@ impl Drop for ControlPlane {
     }
 }
 
+/// Where the Go-built test binaries are: `$K8SBIN_DIR`, else the cache folder `build.sh` writes
+/// for the pinned versions.
+pub fn k8sbin_dir() -> PathBuf {
+    if let Ok(dir) = std::env::var("K8SBIN_DIR") {
+        return PathBuf::from(dir);
+    }
+    PathBuf::from(cached_bin_dir(&repo_root()))
+}
+
 /// The cache folder `build.sh` writes for the pinned versions.
 fn cached_bin_dir(root: &Path) -> String {
     let versions =

@@ -33,28 +33,7 @@ const CHART: &str = "charts/tollgate";
 
 /// The helm binary built by tools/k8sbin (same lookup as the harness).
 fn helm_bin() -> PathBuf {
-    if let Ok(dir) = std::env::var("K8SBIN_DIR") {
-        return PathBuf::from(dir).join("helm");
-    }
-    let root = repo_root();
-    let versions =
-        std::fs::read_to_string(root.join("tools/k8sbin/versions.env")).unwrap_or_default();
-    let get = |k: &str| {
-        versions
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("{k}=")))
-            .unwrap_or("")
-            .trim()
-            .to_string()
-    };
-    root.join(".cache/k8sbin")
-        .join(format!(
-            "{}-{}-{}",
-            get("K8S_VERSION"),
-            get("ETCD_VERSION"),
-            get("HELM_VERSION")
-        ))
-        .join("helm")
+    tollgate_e2e::k8sbin_dir().join("helm")
 }
 
 /// Runs helm without a cluster, with throw-away helm home directories.
