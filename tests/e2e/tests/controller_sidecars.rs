@@ -346,3 +346,158 @@ fn policies_reach_sidecars_hold_globally_and_report_status() {
     }
     drop(controller);
 }
+
+/// Starts the controller and `n` sidecars for pods p0..pN in namespace `shop` (pods created as
+/// API objects with bound tokens); returns (controller, sidecars, token dir).
+fn fleet(
+    cp: &ControlPlane,
+    n: usize,
+    redis: Option<u16>,
+) -> (Proc, Vec<Sidecar>, tempfile::TempDir) {
+    let crd = repo_root().join("manifests/crds/tollgate.dev_ratelimitpolicies.yaml");
+    cp.ok(&["apply", "-f", crd.to_str().unwrap()]);
+    cp.ok(&[
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/ratelimitpolicies.tollgate.dev",
+    ]);
+    cp.ok(&["create", "namespace", "shop"]);
+    cp.ok(&["create", "serviceaccount", "app", "-n", "shop"]);
+    let dir = tempfile::tempdir().unwrap();
+    let app_port = app();
+    let controller_port = free_port();
+    let mut cmd = Command::new(workspace_bin("tollgate-controller"));
+    cmd.args([
+        "--listen",
+        &format!("127.0.0.1:{controller_port}"),
+        "--lease-namespace",
+        "default",
+        "--heartbeat-interval",
+        "1s",
+    ])
+    .env("KUBECONFIG", cp.kubeconfig());
+    let controller = Proc::spawn("tollgate-controller", cmd);
+    controller.wait_for_log("synced: ready", Duration::from_secs(30));
+    let mut sidecars = Vec::new();
+    for i in 0..n {
+        let pod = format!(
+            r#"{{"apiVersion":"v1","kind":"Pod","metadata":{{"name":"p{i}","namespace":"shop","labels":{{"app":"shop-api"}}}},"spec":{{"serviceAccountName":"app","containers":[{{"name":"app","image":"example.invalid/app"}}]}}}}"#
+        );
+        cp.apply(&pod).expect("create pod");
+        let uid = cp.ok(&[
+            "get",
+            "pod",
+            &format!("p{i}"),
+            "-n",
+            "shop",
+            "-o",
+            "jsonpath={.metadata.uid}",
+        ]);
+        let token = cp.ok(&[
+            "create",
+            "token",
+            "app",
+            "-n",
+            "shop",
+            "--bound-object-kind",
+            "Pod",
+            "--bound-object-name",
+            &format!("p{i}"),
+            "--bound-object-uid",
+            uid.trim(),
+            "--duration",
+            "1h",
+        ]);
+        let path = dir.path().join(format!("token-{i}"));
+        std::fs::write(&path, token.trim()).unwrap();
+        let (listen, admin) = (free_port(), free_port());
+        let mut cmd = Command::new(workspace_bin("tollgate-sidecar"));
+        cmd.args([
+            "--listen",
+            &format!("127.0.0.1:{listen}"),
+            "--admin",
+            &format!("127.0.0.1:{admin}"),
+            "--upstream",
+            &format!("http://127.0.0.1:{app_port}"),
+            "--controller",
+            &format!("http://127.0.0.1:{controller_port}"),
+            "--pod-name",
+            &format!("p{i}"),
+            "--pod-namespace",
+            "shop",
+            "--token-file",
+            path.to_str().unwrap(),
+            "--workers",
+            "1",
+            "--log-format",
+            "json",
+        ]);
+        if let Some(port) = redis {
+            cmd.args(["--redis", &format!("redis://127.0.0.1:{port}")]);
+        }
+        let proc = Proc::spawn(&format!("tollgate-sidecar p{i}"), cmd);
+        proc.wait_for_log("tollgate-sidecar started", Duration::from_secs(30));
+        sidecars.push(Sidecar {
+            proc,
+            listen,
+            admin,
+        });
+    }
+    (controller, sidecars, dir)
+}
+
+#[test]
+fn a_policy_edit_reaches_twenty_sidecars_within_a_second() {
+    let cp = ControlPlane::start();
+    let (_controller, sidecars, _tokens) = fleet(&cp, 20, None);
+    let client = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let local = |requests: u64| policy(requests).replace("limit: {", "scope: Local\n    limit: {");
+    cp.apply(&local(10)).expect("apply policy");
+    for s in &sidecars {
+        wait("sidecar ready", Duration::from_secs(30), || {
+            client
+                .get(format!("http://127.0.0.1:{}/readyz", s.admin))
+                .send()
+                .map(|r| r.status() == 200)
+                .unwrap_or(false)
+        });
+    }
+    // Time from `kubectl apply` returning to the last of 20 sidecars enforcing the edit.
+    let mut times = Vec::new();
+    for (i, requests) in [20u64, 30, 40, 50, 60, 70, 80, 90, 100, 110]
+        .into_iter()
+        .enumerate()
+    {
+        cp.apply(&local(requests)).expect("edit policy");
+        let t0 = Instant::now();
+        let mut pending: Vec<&Sidecar> = sidecars.iter().collect();
+        while !pending.is_empty() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "edit {i} not enforced by {} sidecars",
+                pending.len()
+            );
+            pending.retain(|s| {
+                let text = client
+                    .get(format!("http://127.0.0.1:{}/debug/rules", s.admin))
+                    .send()
+                    .and_then(|r| r.text())
+                    .unwrap_or_default();
+                !text.contains(&format!("\"requests\":{requests}"))
+            });
+        }
+        times.push(t0.elapsed());
+    }
+    times.sort();
+    let p50 = times[times.len() / 2];
+    let max = times[times.len() - 1];
+    eprintln!("policy edit -> enforced by all 20 sidecars: p50 {p50:?}, max (p99 of 10) {max:?}");
+    assert!(
+        max < Duration::from_secs(1),
+        "slowest propagation to 20 sidecars {max:?}"
+    );
+}
