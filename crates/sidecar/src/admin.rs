@@ -84,6 +84,24 @@ fn route(shared: &Shared, req: &Request<Incoming>) -> Response<Full<Bytes>> {
                 "configError": shared.config_error.load().as_deref(),
             }))
         }
+        "/debug/top-keys" => {
+            let top: Vec<serde_json::Value> = shared
+                .audit
+                .top
+                .snapshot()
+                .into_iter()
+                .map(|e| {
+                    serde_json::json!({
+                        "rule": e.rule,
+                        "keyHash": format!("{:016x}", e.key_hash),
+                        "key": e.key,
+                        "rejected": e.count,
+                        "maxOvercount": e.error,
+                    })
+                })
+                .collect();
+            json(&serde_json::json!({ "topKeys": top }))
+        }
         "/debug/config" => json(&serde_json::json!({
             "version": shared.rules.load().version,
             "configError": shared.config_error.load().as_deref(),

@@ -15,6 +15,8 @@ use crate::rules::{ActiveRule, Rejection};
 pub struct AuditLog {
     per_second: u64,
     raw_keys: bool,
+    /// Most-rejected keys, for `/debug/top-keys`.
+    pub top: crate::topkeys::TopKeys,
     /// High 32 bits: the current second; low 32 bits: lines written in it.
     window: AtomicU64,
     clock: MonotonicClock,
@@ -25,6 +27,7 @@ impl AuditLog {
         AuditLog {
             per_second,
             raw_keys,
+            top: crate::topkeys::TopKeys::default(),
             window: AtomicU64::new(0),
             clock: MonotonicClock::new(),
         }
@@ -55,23 +58,15 @@ impl AuditLog {
     }
 
     pub fn rejected(&self, rule: &ActiveRule, rejection: &Rejection, metrics: &Metrics) {
+        let limited = &rejection.limited;
+        self.top.record(&rule.rule.id, limited.key_hash, || {
+            self.raw_keys.then(|| printable(&rejection.key))
+        });
         if !self.admit() {
             metrics.audit_suppressed.inc();
             return;
         }
-        let limited = &rejection.limited;
-        // Key parts are joined by 0x1f; show them as '|' and escape anything unprintable.
-        let raw = self.raw_keys.then(|| {
-            rejection
-                .key
-                .strip_suffix(&[0x1f])
-                .unwrap_or(&rejection.key)
-                .iter()
-                .map(|b| if *b == 0x1f { b'|' } else { *b })
-                .flat_map(std::ascii::escape_default)
-                .map(char::from)
-                .collect::<String>()
-        });
+        let raw = self.raw_keys.then(|| printable(&rejection.key));
         tracing::info!(
             target: "tollgate::audit",
             event = "rejected",
@@ -83,6 +78,17 @@ impl AuditLog {
             "request rejected"
         );
     }
+}
+
+/// A counter key for humans: parts (joined by 0x1f) shown as '|', anything unprintable escaped.
+fn printable(key: &[u8]) -> String {
+    key.strip_suffix(&[0x1f])
+        .unwrap_or(key)
+        .iter()
+        .map(|b| if *b == 0x1f { b'|' } else { *b })
+        .flat_map(std::ascii::escape_default)
+        .map(char::from)
+        .collect()
 }
 
 #[cfg(test)]

@@ -15,3 +15,4 @@ pub mod proxy;
 pub mod response;
 pub mod rules;
 pub mod telemetry;
+pub mod topkeys;

@@ -359,6 +359,21 @@ async fn admin_endpoints_report_health_metrics_and_rules() {
             [200, 429]
         );
 
+        // The rejected key tops /debug/top-keys, hashed (raw keys are off by default).
+        let top: serde_json::Value = c
+            .get(sc.admin_url("/debug/top-keys"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let first = &top["topKeys"][0];
+        assert_eq!(first["rule"], "test/admin/per-key", "{top}");
+        assert_eq!(first["rejected"], 1, "{top}");
+        assert!(first["key"].is_null(), "raw key leaked: {top}");
+        assert_eq!(first["keyHash"].as_str().map(str::len), Some(16), "{top}");
+
         let resp = c.get(sc.admin_url("/healthz")).send().await.unwrap();
         assert_eq!(resp.status(), 200);
         let resp = c.get(sc.admin_url("/readyz")).send().await.unwrap();
