@@ -328,7 +328,13 @@ pub fn decide(pod: &Pod, namespace_opted_in: bool, cfg: &InjectConfig) -> Result
             ))
         })?,
         None => match &rewrite {
-            Some(r) => port_number(&spec.containers[r.container].ports.as_ref().unwrap()[r.port]),
+            // plan_rewrite found this port in this container, so the lookup cannot miss.
+            Some(r) => spec
+                .containers
+                .get(r.container)
+                .and_then(|c| c.ports.as_ref())
+                .and_then(|ports| ports.get(r.port))
+                .map_or(0, port_number),
             None => spec
                 .containers
                 .iter()
