@@ -501,3 +501,185 @@ fn a_policy_edit_reaches_twenty_sidecars_within_a_second() {
         "slowest propagation to 20 sidecars {max:?}"
     );
 }
+
+/// Sends requests at `rps` for `dur`, alternating sidecars; returns (status, latency) per request.
+fn paced(
+    client: &reqwest::blocking::Client,
+    sidecars: &[Sidecar],
+    path: &str,
+    key: &str,
+    rps: u64,
+    dur: Duration,
+) -> Vec<(u16, Duration)> {
+    let gap = Duration::from_nanos(1_000_000_000 / rps);
+    let start = Instant::now();
+    let mut out = Vec::new();
+    let mut i = 0u32;
+    while start.elapsed() < dur {
+        let due = start + gap * i;
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        let s = &sidecars[i as usize % sidecars.len()];
+        let t = Instant::now();
+        let status = get(client, &format!("http://127.0.0.1:{}{path}", s.listen), key);
+        out.push((status, t.elapsed()));
+        i += 1;
+    }
+    out
+}
+
+fn pctl(mut v: Vec<Duration>, q: f64) -> Duration {
+    v.sort();
+    v.get(((v.len() as f64 - 1.0) * q) as usize)
+        .copied()
+        .unwrap_or_default()
+}
+
+/// The seed's failure scenarios on the cluster path: one client jumping to 6x its normal rate,
+/// and the counter store going down (fail-open keeps serving at the fallback share, fail-closed
+/// rejects).
+#[test]
+fn seed_scenarios_burst_client_and_store_down() {
+    let cp = ControlPlane::start();
+    let (mut redis, redis_port) = redis_server();
+    let (_controller, sidecars, _tokens) = fleet(&cp, 2, Some(redis_port));
+    let scenario = r#"apiVersion: tollgate.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: shop-api-keys, namespace: shop}
+spec:
+  targetRef:
+    selector: {matchLabels: {app: shop-api}}
+  rules:
+  - name: open
+    match: {path: {prefix: /open}}
+    key: [{header: x-api-key}]
+    limit: {requests: 20, period: 1s, burst: 20}
+    failureMode: Open
+  - name: closed
+    match: {path: {prefix: /closed}}
+    key: [{header: x-api-key}]
+    limit: {requests: 20, period: 1s, burst: 20}
+    failureMode: Closed
+"#;
+    cp.apply(scenario).expect("apply policy");
+    let client = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    for s in &sidecars {
+        wait("sidecar ready", Duration::from_secs(30), || {
+            client
+                .get(format!("http://127.0.0.1:{}/readyz", s.admin))
+                .send()
+                .map(|r| r.status() == 200)
+                .unwrap_or(false)
+        });
+    }
+
+    // (a) A client at 10 req/s (half its limit), then at 60 req/s (6x) for 2 s.
+    let normal = paced(
+        &client,
+        &sidecars,
+        "/open",
+        "client",
+        10,
+        Duration::from_secs(2),
+    );
+    assert!(
+        normal.iter().all(|(s, _)| *s == 200),
+        "normal traffic must pass"
+    );
+    let burst = paced(
+        &client,
+        &sidecars,
+        "/open",
+        "client",
+        60,
+        Duration::from_secs(2),
+    );
+    let admitted: Vec<Duration> = burst
+        .iter()
+        .filter(|(s, _)| *s == 200)
+        .map(|(_, t)| *t)
+        .collect();
+    let rejected: Vec<Duration> = burst
+        .iter()
+        .filter(|(s, _)| *s == 429)
+        .map(|(_, t)| *t)
+        .collect();
+    assert_eq!(
+        admitted.len() + rejected.len(),
+        burst.len(),
+        "only 200s and 429s"
+    );
+    // At half its rate the client leaves the bucket full, so the burst admits burst + rate x 2 s
+    // = 20 + 40, plus what the sidecars held in leases when it began (the documented leasing
+    // overshoot, bounded by the local allowances: a few tokens at this demand).
+    let n = admitted.len();
+    let normal_p50 = pctl(normal.iter().map(|(_, t)| *t).collect(), 0.5);
+    let admitted_p50 = pctl(admitted.clone(), 0.5);
+    let rejected_p99 = pctl(rejected.clone(), 0.99);
+    eprintln!(
+        "6x burst: {} requests, {n} admitted (limit+burst = 60), {} rejected; admitted p50 {admitted_p50:?} (normal {normal_p50:?}); 429 p99 {rejected_p99:?} client-side",
+        burst.len(),
+        rejected.len()
+    );
+    assert!(
+        (54..=72).contains(&n),
+        "admitted {n}, expected about 60 (+ leased allowances)"
+    );
+    assert!(
+        rejected_p99 < Duration::from_millis(10),
+        "429s must be fast: p99 {rejected_p99:?}"
+    );
+    assert!(
+        admitted_p50 < normal_p50 * 3 + Duration::from_millis(2),
+        "admitted latency must stay flat"
+    );
+
+    // (c) The store goes down: fail-open keeps serving (at the fallback share), fail-closed rejects.
+    redis.stop(Duration::from_secs(5));
+    let open = paced(
+        &client,
+        &sidecars,
+        "/open",
+        "fresh",
+        40,
+        Duration::from_secs(2),
+    );
+    let closed = paced(
+        &client,
+        &sidecars,
+        "/closed",
+        "fresh",
+        20,
+        Duration::from_secs(1),
+    );
+    let open_ok = open.iter().filter(|(s, _)| *s == 200).count();
+    let closed_ok = closed.iter().filter(|(s, _)| *s == 200).count();
+    let closed_503 = closed.iter().filter(|(s, _)| *s == 503).count();
+    let slowest = pctl(
+        open.iter().chain(closed.iter()).map(|(_, t)| *t).collect(),
+        1.0,
+    );
+    eprintln!(
+        "store down: fail-open admitted {open_ok} of {} (share 10/s + 10 burst per sidecar), fail-closed 503 {closed_503} of {}, slowest {slowest:?}",
+        open.len(),
+        closed.len()
+    );
+    assert!(open_ok >= 20, "fail-open must keep serving: {open_ok}");
+    assert!(
+        open_ok <= 70,
+        "fail-open is bounded by the fallback share, not unlimited: {open_ok}"
+    );
+    assert_eq!(
+        closed_ok, 0,
+        "fail-closed must not admit while the store is down"
+    );
+    assert!(closed_503 > 0);
+    assert!(
+        slowest < Duration::from_millis(500),
+        "no request may hang on a dead store: {slowest:?}"
+    );
+}
