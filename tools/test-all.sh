@@ -43,7 +43,7 @@ log "cargo test"
 # Build everything first so test timeouts never include compile time.
 cargo test --workspace --locked --no-run
 mkdir -p target
-cargo test --workspace --locked 2>&1 | tee target/test-output.log
+cargo test --workspace --locked --no-fail-fast 2>&1 | tee target/test-output.log
 status=${PIPESTATUS[0]}
 
 log "summary"
