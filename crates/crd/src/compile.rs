@@ -311,7 +311,10 @@ fn compile_match(m: &Match, path: &str, errs: &mut Errors) -> CompiledMatch {
                 errs.push(hpath, "set at most one of value or regex");
                 continue;
             }
-            (Some(v), None) => HeaderValueMatch::Exact(v.clone()),
+            (Some(v), None) => {
+                check_header_value(v, &format!("{hpath}.value"), errs);
+                HeaderValueMatch::Exact(v.clone())
+            }
             (None, Some(r)) => {
                 check_regex(r, &format!("{hpath}.regex"), errs);
                 HeaderValueMatch::Regex(r.clone())
@@ -588,6 +591,17 @@ fn check_regex(r: &str, path: &str, errs: &mut Errors) {
 fn check_header_name(name: &str, path: &str, errs: &mut Errors) {
     if name.is_empty() || !name.bytes().all(is_tchar) {
         errs.push(path, format!("{name:?} is not a valid HTTP header name"));
+    }
+}
+
+/// Header values hold no control characters but tab (what the sidecar's `HeaderValue` accepts;
+/// found by fuzzing: such a value compiled, and then every sidecar refused the rule set).
+fn check_header_value(value: &str, path: &str, errs: &mut Errors) {
+    if value.bytes().any(|b| (b < 0x20 && b != b'\t') || b == 0x7f) {
+        errs.push(
+            path,
+            format!("{value:?} is not a valid HTTP header value: it contains control characters"),
+        );
     }
 }
 

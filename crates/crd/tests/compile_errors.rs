@@ -454,3 +454,15 @@ fn selector_semantics() {
     assert!(!sel.matches(&labels(&[("app", "b")])));
     assert!(Selector::default().matches(&labels(&[])));
 }
+
+#[test]
+fn header_value_with_control_characters() {
+    // Found by fuzzing: such a value compiled, then every sidecar refused the rule set.
+    assert_error(
+        &rule(
+            "    match: {headers: [{name: x-plan, value: \"a\\u0001b\"}]}\n    limit: {requests: 1, period: 1s}\n",
+        ),
+        "spec.rules[0].match.headers[0].value",
+        "control characters",
+    );
+}

@@ -160,11 +160,12 @@ pub fn quota_for(l: &CompiledLimit) -> Result<Quota, limiter::QuotaError> {
         Algorithm::LeakyBucket => limiter::Algorithm::LeakyBucket,
         Algorithm::Concurrency => limiter::Algorithm::Concurrency,
     };
-    // Concurrency has no period; one second is only the Retry-After hint.
+    // Concurrency has no period; one second is only the Retry-After hint. Saturating: a rule
+    // from the stream is not re-validated, and a wrapped period would be a tiny one.
     let period = if l.period_ms == 0 {
         1_000 * MS
     } else {
-        l.period_ms * MS
+        l.period_ms.saturating_mul(MS)
     };
     // A leaky bucket passes no bursts: every request beyond the drain rate is delayed.
     let burst = match l.algorithm {
@@ -172,7 +173,13 @@ pub fn quota_for(l: &CompiledLimit) -> Result<Quota, limiter::QuotaError> {
         Algorithm::LeakyBucket => 1,
         _ => l.requests,
     };
-    Quota::new(algorithm, l.requests, period, burst, l.max_delay_ms * MS)
+    Quota::new(
+        algorithm,
+        l.requests,
+        period,
+        burst,
+        l.max_delay_ms.saturating_mul(MS),
+    )
 }
 
 /// Request conditions compiled for evaluation.
@@ -514,7 +521,8 @@ fn request_cost(cost: &CompiledCost, parts: &Parts) -> u64 {
         .and_then(|v| v.to_str().ok())
         .and_then(|s| s.trim().parse::<u64>().ok());
     match from_header {
-        Some(n) => n.clamp(1, u64::from(cost.max)),
+        // `max(1)`: a streamed rule with `max: 0` must not make `clamp` panic.
+        Some(n) => n.clamp(1, u64::from(cost.max).max(1)),
         None => u64::from(cost.amount),
     }
 }
@@ -542,5 +550,34 @@ impl KeyHasher {
         let mut h = self.0;
         h.write(key);
         h.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by fuzzing streamed rules, which are not re-validated by the sidecar.
+    #[test]
+    fn hostile_compiled_limits_do_not_panic() {
+        let limit = CompiledLimit {
+            algorithm: Algorithm::LeakyBucket,
+            requests: 1,
+            period_ms: u64::MAX,
+            burst: 1,
+            max_delay_ms: u64::MAX,
+        };
+        let _ = quota_for(&limit);
+        let parts = http::Request::builder()
+            .header("x-cost", "50")
+            .body(())
+            .map(|r| r.into_parts().0)
+            .unwrap();
+        let cost = CompiledCost {
+            amount: 1,
+            header: Some("x-cost".into()),
+            max: 0,
+        };
+        assert_eq!(request_cost(&cost, &parts), 1);
     }
 }
