@@ -255,7 +255,20 @@ pub async fn sync_loop(shared: Arc<Shared>, runtime: Arc<GlobalRuntime>, members
                 Some(Err(store::StoreError::BreakerOpen))
             }
         };
-        let (heartbeat, lease) = tokio::join!(heartbeat, lease);
+        let round = async { tokio::join!(heartbeat, lease) };
+        let (heartbeat, lease) = if crate::telemetry::enabled() {
+            use tracing::Instrument;
+            let span = tracing::info_span!(
+                target: crate::telemetry::TRACE_TARGET,
+                "lease sync",
+                otel.name = "tollgate lease sync",
+                lease.ops = ops.len(),
+                membership.heartbeat = !heartbeat_policies.is_empty(),
+            );
+            round.instrument(span).await
+        } else {
+            round.await
+        };
         match heartbeat {
             Some(Ok(counts)) => {
                 runtime.store.breaker.success();
