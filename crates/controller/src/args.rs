@@ -66,6 +66,11 @@ pub struct Args {
     #[arg(long, env = "TOLLGATE_LEASE_DURATION", default_value = "15s", value_parser = parse_duration)]
     pub lease_duration: Duration,
 
+    /// Share membership with the other replicas through per-replica Leases (in the lease
+    /// namespace), so member counts and status cover sidecars connected to any replica.
+    #[arg(long, env = "TOLLGATE_PEER_MEMBERSHIP", default_value_t = true, action = clap::ArgAction::Set)]
+    pub peer_membership: bool,
+
     /// This replica's identity in the Lease and in Events; defaults to `POD_NAME` or the host name.
     #[arg(long, env = "TOLLGATE_IDENTITY")]
     pub identity: Option<String>,

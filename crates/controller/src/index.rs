@@ -11,6 +11,11 @@
 //! [`PodRules`] and reports connections and acks through [`crate::membership`], and the status
 //! writer reads [`PolicyView`]s.
 //!
+//! With several controller replicas, each one serves some of the streams. Replicas exchange
+//! [`MembershipReport`]s (see [`crate::peers`]); the index merges the reports of the other
+//! replicas into its counts, so every replica pushes the fleet-wide member count and the leader's
+//! status counts every sidecar, whichever replica it is connected to.
+//!
 //! Every change that alters what some pod enforces bumps one global, monotonically increasing
 //! version; the pods whose rule set changed take that version. Each pod has its own
 //! `tokio::sync::watch` channel, updated with `send_if_modified`, so a no-op update (a relist, a
@@ -126,6 +131,25 @@ pub struct PolicyView {
     pub observed_status: Option<RateLimitPolicyStatus>,
 }
 
+/// What one controller replica tells the others: the pods with an open stream to it and, for
+/// each, the policies it runs as they are now (name → `metadata.generation` it acknowledged).
+///
+/// Versions are per replica (they mean nothing to another replica's index); generations are the
+/// API server's, so every replica reads them the same way.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MembershipReport {
+    /// namespace → pod → policy name → acknowledged generation.
+    #[serde(default)]
+    pub namespaces: BTreeMap<String, BTreeMap<String, BTreeMap<String, i64>>>,
+}
+
+impl MembershipReport {
+    /// Number of pods in the report.
+    pub fn pods(&self) -> usize {
+        self.namespaces.values().map(BTreeMap::len).sum()
+    }
+}
+
 /// Why an ack was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AckError {
@@ -154,6 +178,8 @@ pub struct IndexSummary {
     pub pods: u64,
     /// Connected sidecars per policy id (policies with none are listed with 0).
     pub connected: BTreeMap<String, u32>,
+    /// Other replicas whose membership reports are merged in.
+    pub peers: u64,
     pub stats: IndexStats,
 }
 
@@ -168,7 +194,14 @@ pub struct Index {
     /// Bumped on every change the status writer may care about.
     changes_tx: watch::Sender<u64>,
     stats: IndexStats,
+    /// The latest report of every other live replica.
+    reports: HashMap<String, MembershipReport>,
+    /// The reports merged: namespace → pod → policy → highest acknowledged generation.
+    remote: HashMap<String, HashMap<String, BTreeMap<String, i64>>>,
 }
+
+/// Pods connected to other replicas, for one namespace.
+type RemotePods = HashMap<String, BTreeMap<String, i64>>;
 
 #[derive(Default)]
 struct Namespace {
@@ -233,6 +266,8 @@ impl Index {
             pods_tx: watch::Sender::new(0),
             changes_tx: watch::Sender::new(0),
             stats: IndexStats::default(),
+            reports: HashMap::new(),
+            remote: HashMap::new(),
         }
     }
 
@@ -657,7 +692,8 @@ impl Index {
             if !policy.lag_pending {
                 continue;
             }
-            let (total, in_sync) = sync_counts(&ns.pods, &name);
+            // Lag is this replica's: its own streams, its own acks.
+            let (total, in_sync) = sync_counts(&ns.pods, None, &name, 0);
             if total > 0 && total == in_sync {
                 out.push(policy.changed_at.elapsed());
                 if let Some(p) = ns.policies.get_mut(&name) {
@@ -668,15 +704,101 @@ impl Index {
         out
     }
 
+    // --- other replicas ---
+
+    /// This replica's report for the others: every pod with an open stream here, and the
+    /// policies it acknowledged as they are now.
+    pub fn membership_report(&self) -> MembershipReport {
+        let mut report = MembershipReport::default();
+        for (ns_name, ns) in &self.namespaces {
+            for (pod_name, pod) in &ns.pods {
+                if pod.connections == 0 {
+                    continue;
+                }
+                let acked: BTreeMap<String, i64> = pod
+                    .policies
+                    .iter()
+                    .filter(|(_, since)| pod.acked.is_some_and(|a| a >= *since))
+                    .map(|(c, _)| (c.name.clone(), c.generation))
+                    .collect();
+                report
+                    .namespaces
+                    .entry(ns_name.clone())
+                    .or_default()
+                    .insert(pod_name.clone(), acked);
+            }
+        }
+        report
+    }
+
+    /// Takes in another replica's latest report (replacing its previous one). Returns whether
+    /// anything changed.
+    pub fn set_report(&mut self, replica: &str, report: MembershipReport) -> bool {
+        if self.reports.get(replica) == Some(&report) {
+            return false;
+        }
+        let mut touched: Vec<String> = report.namespaces.keys().cloned().collect();
+        if let Some(old) = self.reports.insert(replica.to_string(), report) {
+            touched.extend(old.namespaces.into_keys());
+        }
+        self.merge_reports(touched);
+        true
+    }
+
+    /// Forgets a replica (it left, or its report expired). Returns whether it was known.
+    pub fn remove_report(&mut self, replica: &str) -> bool {
+        let Some(old) = self.reports.remove(replica) else {
+            return false;
+        };
+        self.merge_reports(old.namespaces.into_keys().collect());
+        true
+    }
+
+    /// The replicas whose reports are merged in.
+    pub fn report_replicas(&self) -> Vec<String> {
+        let mut out: Vec<String> = self.reports.keys().cloned().collect();
+        out.sort();
+        out
+    }
+
+    /// Re-merges the reports for `namespaces`, then pushes the new counts to their pods.
+    fn merge_reports(&mut self, mut namespaces: Vec<String>) {
+        namespaces.sort();
+        namespaces.dedup();
+        for ns in &namespaces {
+            let mut merged: RemotePods = HashMap::new();
+            for report in self.reports.values() {
+                let Some(pods) = report.namespaces.get(ns) else {
+                    continue;
+                };
+                for (pod, policies) in pods {
+                    let entry = merged.entry(pod.clone()).or_default();
+                    for (policy, generation) in policies {
+                        let g = entry.entry(policy.clone()).or_insert(*generation);
+                        *g = (*g).max(*generation);
+                    }
+                }
+            }
+            if merged.is_empty() {
+                self.remote.remove(ns);
+            } else {
+                self.remote.insert(ns.clone(), merged);
+            }
+            self.publish_namespace(ns);
+        }
+        self.bump_changes();
+    }
+
     // --- views ---
 
     /// Every policy, for the status writer.
     pub fn policy_views(&self) -> Vec<PolicyView> {
         let mut out = Vec::new();
         for (ns_name, ns) in &self.namespaces {
+            let remote = self.remote.get(ns_name);
             for (name, p) in &ns.policies {
-                let (total, in_sync) = if p.compiled.is_some() {
-                    sync_counts(&ns.pods, name)
+                let (total, in_sync) = if let Some(c) = &p.compiled {
+                    sync_counts(&ns.pods, remote, name, c.generation)
                 } else {
                     (0, 0)
                 };
@@ -702,8 +824,8 @@ impl Index {
     pub fn policy_view(&self, namespace: &str, name: &str) -> Option<PolicyView> {
         let ns = self.namespaces.get(namespace)?;
         let p = ns.policies.get(name)?;
-        let (total, in_sync) = if p.compiled.is_some() {
-            sync_counts(&ns.pods, name)
+        let (total, in_sync) = if let Some(c) = &p.compiled {
+            sync_counts(&ns.pods, self.remote.get(namespace), name, c.generation)
         } else {
             (0, 0)
         };
@@ -726,6 +848,7 @@ impl Index {
         let mut s = IndexSummary {
             version: self.version,
             stats: self.stats,
+            peers: self.reports.len() as u64,
             ..IndexSummary::default()
         };
         for (ns_name, ns) in &self.namespaces {
@@ -736,8 +859,9 @@ impl Index {
                     s.invalid_policies += 1;
                 }
                 if p.compiled.is_some() {
+                    // This replica's streams only, so `sum` over replicas is the fleet.
                     s.connected
-                        .insert(format!("{ns_name}/{name}"), sync_counts(&ns.pods, name).0);
+                        .insert(format!("{ns_name}/{name}"), sync_counts(&ns.pods, None, name, 0).0);
                 }
             }
         }
@@ -773,11 +897,12 @@ impl Index {
         let Some(ns) = self.namespaces.get(namespace) else {
             return;
         };
+        let remote = self.remote.get(namespace);
         let counts = crate::membership::count_members(
             ns.pods
-                .values()
-                .filter(|p| p.connections > 0)
-                .map(|p| p.policies.iter().map(|(c, _)| c.name.as_str())),
+                .iter()
+                .filter(|(name, p)| p.connections > 0 || remote.is_some_and(|r| r.contains_key(*name)))
+                .map(|(_, p)| p.policies.iter().map(|(c, _)| c.name.as_str())),
         );
         for pod in ns.pods.values() {
             let members: BTreeMap<String, u32> = pod
@@ -857,17 +982,31 @@ fn recompute_pod(policies: &BTreeMap<String, Policy>, pod: &mut Pod, v: u64) -> 
     !same
 }
 
-/// (connected sidecars holding the policy, those that acked a version containing it as it is).
-fn sync_counts(pods: &HashMap<String, Pod>, policy: &str) -> (u32, u32) {
+/// (connected sidecars holding the policy, those that run it as it is now).
+///
+/// A pod counts when it has a stream to this replica or, with `remote`, to another one; it is
+/// in sync when it acknowledged, here, a version containing the policy unchanged, or when
+/// another replica reports it runs `generation` (or a later one) of the policy.
+fn sync_counts(
+    pods: &HashMap<String, Pod>,
+    remote: Option<&RemotePods>,
+    policy: &str,
+    generation: i64,
+) -> (u32, u32) {
     let mut total = 0;
     let mut in_sync = 0;
-    for pod in pods.values() {
-        if pod.connections == 0 {
+    for (pod_name, pod) in pods {
+        let elsewhere = remote.and_then(|r| r.get(pod_name));
+        if pod.connections == 0 && elsewhere.is_none() {
             continue;
         }
         if let Some((_, since)) = pod.policies.iter().find(|(c, _)| c.name == policy) {
             total += 1;
-            if pod.acked.is_some_and(|a| a >= *since) {
+            let here = pod.connections > 0 && pod.acked.is_some_and(|a| a >= *since);
+            let there = elsewhere
+                .and_then(|policies| policies.get(policy))
+                .is_some_and(|g| *g >= generation);
+            if here || there {
                 in_sync += 1;
             }
         }

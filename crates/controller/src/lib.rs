@@ -31,6 +31,7 @@ pub mod index;
 pub mod leader;
 pub mod membership;
 pub mod metrics;
+pub mod peers;
 pub mod runtime;
 pub mod server;
 pub mod status;

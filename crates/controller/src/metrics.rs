@@ -248,6 +248,12 @@ impl Collector for IndexCollector {
             s.invalid_policies,
         )?;
         gauge(&mut encoder, "pods", "Pods in the index", s.pods)?;
+        gauge(
+            &mut encoder,
+            "peer_replicas",
+            "Other controller replicas whose membership reports this replica merges",
+            s.peers,
+        )?;
 
         let compiles: Family<ResultLabels, Counter> = Family::default();
         compiles
@@ -274,7 +280,7 @@ impl Collector for IndexCollector {
         }
         let m = encoder.encode_descriptor(
             "connected_sidecars",
-            "Connected sidecars per policy (the membership count pushed to sidecars)",
+            "Sidecars per policy with a rule stream to this replica (sum over replicas for the fleet)",
             None,
             connected.metric_type(),
         )?;

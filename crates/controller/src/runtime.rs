@@ -128,15 +128,37 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         std::future::pending::<()>().await;
     });
 
+    let lease_namespace = args
+        .lease_namespace
+        .clone()
+        .unwrap_or_else(|| client.default_namespace().to_string());
+
+    // Membership shared with the other replicas.
+    let peers_task = if args.peer_membership {
+        let peers = crate::peers::PeerConfig {
+            namespace: lease_namespace.clone(),
+            group: args.lease_name.clone(),
+            identity: identity.clone(),
+            duration: args.lease_duration,
+        };
+        tokio::spawn(
+            crate::peers::follow(client.clone(), peers.clone(), index.clone())
+                .instrument(tracing::info_span!("peers")),
+        );
+        Some(tokio::spawn(
+            crate::peers::publish(client.clone(), peers, index.clone(), shutdown_rx.clone())
+                .instrument(tracing::info_span!("peers")),
+        ))
+    } else {
+        None
+    };
+
     // Leader election.
     let (leader_tx, leader_rx) = watch::channel(false);
     let leader_task = if args.leader_election {
         let lease = LeaseConfig {
             name: args.lease_name.clone(),
-            namespace: args
-                .lease_namespace
-                .clone()
-                .unwrap_or_else(|| client.default_namespace().to_string()),
+            namespace: lease_namespace.clone(),
             identity: identity.clone(),
             duration: args.lease_duration,
             grace: (args.lease_duration / 3).max(std::time::Duration::from_secs(1)),
@@ -215,6 +237,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     shutdown_tx.send_replace(true);
     if let Some(task) = leader_task {
         let _ = tokio::time::timeout(std::time::Duration::from_secs(10), task).await;
+    }
+    if let Some(task) = peers_task {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(3), task).await;
     }
     status_task.abort();
     tracing::info!("stopped");

@@ -42,11 +42,18 @@ pub trait Apply: Send + Sync {
 
 /// Runs the stream client forever.
 pub async fn run(config: ControllerConfig, shared: Arc<Shared>, apply: Arc<dyn Apply>) {
-    let client = match reqwest::Client::builder()
+    // HTTP/2 (prior knowledge on plain http, ALPN on https): acks then travel on the stream's
+    // own connection, so behind a Service they reach the replica that serves the stream.
+    let mut builder = reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true)
-        .build()
-    {
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .http2_keep_alive_timeout(Duration::from_secs(5))
+        .http2_keep_alive_while_idle(true);
+    if config.url.starts_with("http://") {
+        builder = builder.http2_prior_knowledge();
+    }
+    let client = match builder.build() {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "cannot build the controller client");

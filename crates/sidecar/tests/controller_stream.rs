@@ -108,9 +108,12 @@ impl FakeController {
                                 Ok(r)
                             }
                         });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
+                    // HTTP/1.1 and h2c, like the real controller.
+                    let _ = hyper_util::server::conn::auto::Builder::new(
+                        hyper_util::rt::TokioExecutor::new(),
+                    )
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
                 });
             }
         });

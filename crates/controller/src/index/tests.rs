@@ -426,3 +426,55 @@ fn resume_in_the_same_epoch_counts_as_an_ack() {
     let view = index.policy_view("shop", "limits").unwrap();
     assert_eq!((view.sidecars_total, view.sidecars_in_sync), (2, 1));
 }
+
+/// Two replicas, each with one of two sidecars: after exchanging reports, both push the fleet
+/// count, and each one's status counts both sidecars and who runs the current generation.
+#[test]
+fn reports_of_other_replicas_join_counts_and_status() {
+    let mut a = index_with_pods();
+    let mut b = index_with_pods();
+    for index in [&mut a, &mut b] {
+        index.apply_policy(input(&mk_policy("shop", "limits", "api", 10)));
+    }
+    let on_a = a.connect("shop", "api-1", None).unwrap();
+    let on_b = b.connect("shop", "api-2", None).unwrap();
+    assert_eq!(on_a.rx.borrow().members["shop/limits"], 1);
+
+    // Nothing acknowledged yet: both pods are members, neither is in sync.
+    assert!(a.set_report("b", b.membership_report()));
+    assert!(b.set_report("a", a.membership_report()));
+    assert!(!a.set_report("b", b.membership_report()), "same report: no-op");
+    assert_eq!(on_a.rx.borrow().members["shop/limits"], 2);
+    assert_eq!(on_b.rx.borrow().members["shop/limits"], 2);
+    let view = a.policy_view("shop", "limits").unwrap();
+    assert_eq!((view.sidecars_total, view.sidecars_in_sync), (2, 0));
+    // The metric stays per replica (so `sum` over replicas is the fleet).
+    assert_eq!(a.summary().connected["shop/limits"], 1);
+    assert_eq!(a.summary().peers, 1);
+
+    // api-2 acknowledges on b; a learns it from b's next report.
+    b.ack("shop", "api-2", on_b.rx.borrow().version, "epoch-1")
+        .unwrap();
+    let report = b.membership_report();
+    assert_eq!(report.namespaces["shop"]["api-2"]["limits"], 10);
+    a.set_report("b", report);
+    let view = a.policy_view("shop", "limits").unwrap();
+    assert_eq!((view.sidecars_total, view.sidecars_in_sync), (2, 1));
+
+    // A new generation on a: b's report still names generation 10, so api-2 is behind.
+    a.apply_policy(input(&mk_policy("shop", "limits", "api", 20)));
+    let view = a.policy_view("shop", "limits").unwrap();
+    assert_eq!((view.sidecars_total, view.sidecars_in_sync), (2, 0));
+
+    // A pod connected to both replicas at once (reconnect overlap) counts once.
+    let dup = a.connect("shop", "api-2", None).unwrap();
+    assert_eq!(on_a.rx.borrow().members["shop/limits"], 2);
+    a.disconnect("shop", "api-2", dup.pod_id);
+    assert_eq!(on_a.rx.borrow().members["shop/limits"], 2, "still on b");
+
+    // b goes away: only a's own sidecars remain.
+    assert!(a.remove_report("b"));
+    assert!(!a.remove_report("b"));
+    assert_eq!(on_a.rx.borrow().members["shop/limits"], 1);
+    assert_eq!(a.summary().peers, 0);
+}

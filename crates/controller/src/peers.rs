@@ -1,0 +1,377 @@
+//! Membership across controller replicas.
+//!
+//! Every replica serves rule streams, so each one sees only the sidecars that happen to connect
+//! to it. To push fleet-wide member counts (global limits are divided by them) and to let the
+//! leader write a status that counts every sidecar, replicas exchange [`MembershipReport`]s
+//! through the API server: each replica keeps one `coordination.k8s.io/v1` Lease of its own,
+//! labelled `tollgate.dev/membership-of=<lease name>`, whose annotation holds its report. It
+//! rewrites the Lease when its report changes (coalesced over [`DEBOUNCE`]) and renews it every
+//! third of the lease duration. Each replica watches the others' Leases and merges their reports
+//! into its [`Index`](crate::index::Index).
+//!
+//! A replica that stops cleanly deletes its Lease, so peers drop its sidecars at once. One that
+//! dies is forgotten when its Lease has not been renewed for the lease duration; its sidecars
+//! will have reconnected to a live replica by then (streams break with the process), so counts
+//! are at worst briefly high, never low.
+//!
+//! Why the API server and not replica-to-replica calls: it needs no peer discovery, no extra
+//! port or certificates, works with any number of replicas, and every replica already talks to
+//! it. The cost is one small write per replica per membership change or renewal.
+
+use std::collections::HashMap;
+use std::pin::pin;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use sha2::{Digest, Sha256};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::index::{MembershipReport, SharedIndex};
+
+/// The label that marks membership Leases; its value is the leader-election Lease name, so two
+/// installations in one namespace do not mix.
+pub const LABEL: &str = "tollgate.dev/membership-of";
+/// The annotation holding the JSON report.
+pub const ANNOTATION: &str = "tollgate.dev/members";
+/// How long membership changes are coalesced before the Lease is rewritten.
+pub const DEBOUNCE: Duration = Duration::from_millis(50);
+/// Annotations are limited to 256 KiB in total; past this a report is not published (logged).
+const MAX_REPORT_BYTES: usize = 240 * 1024;
+/// Clock skew tolerated between replicas when judging a listed Lease stale.
+const SKEW: Duration = Duration::from_secs(5);
+
+/// Settings of the exchange.
+#[derive(Clone, Debug)]
+pub struct PeerConfig {
+    /// Namespace of the Leases (the leader-election namespace).
+    pub namespace: String,
+    /// The leader-election Lease name; prefixes this replica's Lease name and labels it.
+    pub group: String,
+    /// This replica's identity (unique per replica).
+    pub identity: String,
+    /// A report not renewed for this long is dropped.
+    pub duration: Duration,
+}
+
+impl PeerConfig {
+    /// This replica's Lease name: the group plus a hash of the identity, which keeps it a valid,
+    /// bounded object name whatever the pod name is.
+    pub fn lease_name(&self) -> String {
+        let digest = Sha256::digest(self.identity.as_bytes());
+        let hex: String = digest[..5].iter().map(|b| format!("{b:02x}")).collect();
+        format!("{}-members-{hex}", self.group)
+    }
+
+    fn renew_every(&self) -> Duration {
+        (self.duration / 3).max(Duration::from_millis(500))
+    }
+}
+
+/// The Lease that carries `report` (server-side applied).
+pub fn lease_object(config: &PeerConfig, report: &MembershipReport) -> serde_json::Result<Lease> {
+    let json = serde_json::to_string(report)?;
+    Ok(Lease {
+        metadata: ObjectMeta {
+            name: Some(config.lease_name()),
+            namespace: Some(config.namespace.clone()),
+            labels: Some([(LABEL.to_string(), config.group.clone())].into()),
+            annotations: Some([(ANNOTATION.to_string(), json)].into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(config.identity.clone()),
+            lease_duration_seconds: Some(config.duration.as_secs().clamp(1, 3600) as i32),
+            renew_time: Some(MicroTime(jiff_now())),
+            ..LeaseSpec::default()
+        }),
+    })
+}
+
+fn jiff_now() -> k8s_openapi::jiff::Timestamp {
+    k8s_openapi::jiff::Timestamp::now()
+}
+
+/// What a peer's Lease says: `(holder, report)`, or why it is ignored.
+pub fn read_lease(
+    lease: &Lease,
+    own_identity: &str,
+    now: k8s_openapi::jiff::Timestamp,
+) -> Result<Option<(String, MembershipReport)>, String> {
+    let spec = lease.spec.as_ref().ok_or("no spec")?;
+    let holder = spec.holder_identity.clone().ok_or("no holderIdentity")?;
+    if holder == own_identity {
+        return Ok(None);
+    }
+    let duration = Duration::from_secs(spec.lease_duration_seconds.unwrap_or(15).max(1) as u64);
+    if let Some(MicroTime(renewed)) = &spec.renew_time {
+        let age = now.duration_since(*renewed);
+        if age > k8s_openapi::jiff::SignedDuration::try_from(duration + SKEW).unwrap_or_default() {
+            return Ok(None);
+        }
+    }
+    let json = lease
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION))
+        .ok_or("no members annotation")?;
+    let report: MembershipReport =
+        serde_json::from_str(json).map_err(|e| format!("bad members annotation: {e}"))?;
+    Ok(Some((holder, report)))
+}
+
+/// Publishes this replica's report until `shutdown`, then deletes its Lease.
+pub async fn publish(
+    client: kube::Client,
+    config: PeerConfig,
+    index: SharedIndex,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let api: Api<Lease> = Api::namespaced(client, &config.namespace);
+    let name = config.lease_name();
+    let params = PatchParams::apply("tollgate-controller-membership").force();
+    let mut changes = index.read().changes_rx();
+    let mut written: Option<MembershipReport> = None;
+    let mut renew_at = Instant::now();
+    loop {
+        if *shutdown.borrow() {
+            break;
+        }
+        tokio::select! {
+            _ = changes.changed() => {
+                tokio::time::sleep(DEBOUNCE).await;
+            }
+            () = tokio::time::sleep_until(renew_at) => {}
+            res = shutdown.changed() => {
+                if res.is_err() || *shutdown.borrow() {
+                    break;
+                }
+                continue;
+            }
+        }
+        let report = index.read().membership_report();
+        if written.as_ref() == Some(&report) && Instant::now() < renew_at {
+            continue;
+        }
+        let lease = match lease_object(&config, &report) {
+            Ok(l) => l,
+            Err(error) => {
+                tracing::error!(%error, "cannot encode the membership report");
+                continue;
+            }
+        };
+        let size = lease
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANNOTATION))
+            .map_or(0, String::len);
+        if size > MAX_REPORT_BYTES {
+            tracing::error!(
+                bytes = size,
+                pods = report.pods(),
+                "membership report too large for a Lease annotation; other replicas keep the last one"
+            );
+            renew_at = Instant::now() + config.renew_every();
+            continue;
+        }
+        match api.patch(&name, &params, &Patch::Apply(&lease)).await {
+            Ok(_) => {
+                tracing::debug!(lease = %name, pods = report.pods(), "membership report published");
+                written = Some(report);
+                renew_at = Instant::now() + config.renew_every();
+            }
+            Err(error) => {
+                tracing::warn!(%error, lease = %name, namespace = %config.namespace, "cannot publish the membership report; retrying (may this service account patch leases?)");
+                written = None;
+                renew_at = Instant::now() + Duration::from_secs(1);
+            }
+        }
+    }
+    let deleted = tokio::time::timeout(
+        Duration::from_secs(2),
+        api.delete(&name, &DeleteParams::default()),
+    )
+    .await;
+    match deleted {
+        Ok(Ok(_)) => tracing::debug!(lease = %name, "membership lease deleted"),
+        Ok(Err(error)) => tracing::debug!(%error, lease = %name, "cannot delete the membership lease"),
+        Err(_) => tracing::debug!(lease = %name, "deleting the membership lease timed out"),
+    }
+}
+
+/// Merges the other replicas' reports into the index until the process ends.
+pub async fn follow(client: kube::Client, config: PeerConfig, index: SharedIndex) {
+    let api: Api<Lease> = Api::namespaced(client, &config.namespace);
+    let selector = format!("{LABEL}={}", config.group);
+    let mut stream =
+        pin!(watcher::watcher(api, watcher::Config::default().labels(&selector)).default_backoff());
+    // Lease name → (holder, when we last saw it renewed, how long it may go unrenewed).
+    let mut seen: HashMap<String, (String, Instant, Duration)> = HashMap::new();
+    let mut listing: Vec<String> = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            event = stream.next() => {
+                let Some(event) = event else { return };
+                match event {
+                    Ok(Event::Apply(lease) | Event::InitApply(lease)) => {
+                        let name = lease.metadata.name.clone().unwrap_or_default();
+                        listing.push(name.clone());
+                        accept(&config, &index, &mut seen, name, &lease);
+                    }
+                    Ok(Event::Delete(lease)) => {
+                        let name = lease.metadata.name.clone().unwrap_or_default();
+                        if let Some((holder, _, _)) = seen.remove(&name) {
+                            forget(&index, &seen, &holder, "left");
+                        }
+                    }
+                    Ok(Event::Init) => listing.clear(),
+                    Ok(Event::InitDone) => {
+                        let gone: Vec<String> = seen
+                            .keys()
+                            .filter(|n| !listing.contains(n))
+                            .cloned()
+                            .collect();
+                        for name in gone {
+                            if let Some((holder, _, _)) = seen.remove(&name) {
+                                forget(&index, &seen, &holder, "left");
+                            }
+                        }
+                        listing.clear();
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "membership lease watch failed; retrying (may this service account list and watch leases?)");
+                    }
+                }
+            }
+            _ = tick.tick() => {
+                let expired: Vec<String> = seen
+                    .iter()
+                    .filter(|(_, (_, at, ttl))| at.elapsed() > *ttl)
+                    .map(|(n, _)| n.clone())
+                    .collect();
+                for name in expired {
+                    if let Some((holder, _, _)) = seen.remove(&name) {
+                        forget(&index, &seen, &holder, "expired");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn accept(
+    config: &PeerConfig,
+    index: &SharedIndex,
+    seen: &mut HashMap<String, (String, Instant, Duration)>,
+    name: String,
+    lease: &Lease,
+) {
+    match read_lease(lease, &config.identity, jiff_now()) {
+        Ok(Some((holder, report))) => {
+            let ttl = Duration::from_secs(
+                lease
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.lease_duration_seconds)
+                    .unwrap_or(15)
+                    .max(1) as u64,
+            );
+            let pods = report.pods();
+            if index.write().set_report(&holder, report) {
+                tracing::debug!(replica = %holder, pods, "membership report of a peer merged");
+            }
+            if !seen.contains_key(&name) {
+                tracing::info!(replica = %holder, pods, "peer replica joined the membership");
+            }
+            seen.insert(name, (holder, Instant::now(), ttl));
+        }
+        Ok(None) => {}
+        Err(why) => tracing::warn!(lease = %name, %why, "ignoring a membership lease"),
+    }
+}
+
+/// Drops a replica's report unless another of its Leases is still live.
+fn forget(
+    index: &SharedIndex,
+    seen: &HashMap<String, (String, Instant, Duration)>,
+    holder: &str,
+    why: &str,
+) {
+    if seen.values().any(|(h, _, _)| h == holder) {
+        return;
+    }
+    if index.write().remove_report(holder) {
+        tracing::info!(replica = %holder, why, "peer replica left the membership");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::jiff::{SignedDuration, Timestamp};
+
+    fn config(identity: &str) -> PeerConfig {
+        PeerConfig {
+            namespace: "tollgate-system".into(),
+            group: "tollgate-controller".into(),
+            identity: identity.into(),
+            duration: Duration::from_secs(15),
+        }
+    }
+
+    fn report() -> MembershipReport {
+        let mut r = MembershipReport::default();
+        r.namespaces
+            .entry("shop".into())
+            .or_default()
+            .insert("api-0".into(), [("limits".to_string(), 3)].into());
+        r
+    }
+
+    #[test]
+    fn lease_names_are_short_stable_and_distinct() {
+        let long = "x".repeat(253);
+        let a = config(&long).lease_name();
+        assert!(a.len() < 63, "{a}");
+        assert_eq!(a, config(&long).lease_name());
+        assert_ne!(
+            config("controller-0").lease_name(),
+            config("controller-1").lease_name()
+        );
+    }
+
+    #[test]
+    fn a_peer_lease_round_trips_and_our_own_is_skipped() {
+        let lease = lease_object(&config("b"), &report()).unwrap();
+        let now = Timestamp::now();
+        let (holder, got) = read_lease(&lease, "a", now).unwrap().unwrap();
+        assert_eq!(holder, "b");
+        assert_eq!(got, report());
+        assert_eq!(read_lease(&lease, "b", now).unwrap(), None);
+    }
+
+    #[test]
+    fn stale_and_malformed_leases_are_ignored() {
+        let lease = lease_object(&config("b"), &report()).unwrap();
+        let later = Timestamp::now() + SignedDuration::from_secs(60);
+        assert_eq!(read_lease(&lease, "a", later).unwrap(), None);
+
+        let mut bad = lease.clone();
+        bad.metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert(ANNOTATION.into(), "{not json".into());
+        let err = read_lease(&bad, "a", Timestamp::now()).unwrap_err();
+        assert!(err.contains("bad members annotation"), "{err}");
+    }
+}
