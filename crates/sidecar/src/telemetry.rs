@@ -21,6 +21,9 @@ use tracing_subscriber::{EnvFilter, Layer, reload};
 /// Target of trace spans; only these reach the OpenTelemetry layer.
 pub const TRACE_TARGET: &str = "tollgate::trace";
 
+/// The OpenTelemetry SDKs' standard variable, honoured when `--otlp-endpoint` is not given.
+pub const OTLP_ENDPOINT_ENV: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
+
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static PROVIDER: OnceLock<opentelemetry_sdk::trace::SdkTracerProvider> = OnceLock::new();
 static FILTER: OnceLock<reload::Handle<EnvFilter, tracing_subscriber::Registry>> = OnceLock::new();
@@ -31,7 +34,8 @@ pub fn enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
 
-/// Sets up logging and, with `otlp_endpoint`, trace export over OTLP/HTTP (protobuf).
+/// Sets up logging and, with `otlp_endpoint` (or else the standard `OTEL_EXPORTER_OTLP_ENDPOINT`
+/// variable), trace export over OTLP/HTTP (protobuf) to `<endpoint>/v1/traces`.
 pub fn init(
     log_filter: &str,
     json: bool,
@@ -51,7 +55,10 @@ pub fn init(
     } else {
         fmt.boxed()
     };
-    let otel = match otlp_endpoint {
+    let from_env = std::env::var(OTLP_ENDPOINT_ENV)
+        .ok()
+        .filter(|s| !s.trim().is_empty());
+    let otel = match otlp_endpoint.or(from_env.as_deref()) {
         None => None,
         Some(endpoint) => {
             use opentelemetry_otlp::WithExportConfig;
@@ -83,9 +90,9 @@ pub fn init(
             )
         }
     };
+    // The log filter applies to logs only, so `--log warn` does not switch traces off.
     tracing_subscriber::registry()
-        .with(filter)
-        .with(fmt)
+        .with(fmt.with_filter(filter))
         .with(otel)
         .try_init()
         .map_err(|e| e.to_string())

@@ -1,6 +1,6 @@
 //! Traces reach a real OTLP/HTTP endpoint (an in-test collector decoding the protobuf export),
-//! continue the caller's trace, and are passed on to the upstream; the log filter can be
-//! changed at runtime.
+//! continue the caller's trace, and are passed on to the upstream; background lease syncs with a
+//! real `redis-server` get spans too; the log filter can be changed at runtime.
 
 mod common;
 
@@ -103,6 +103,165 @@ async fn spans_are_exported_and_trace_context_propagates() {
             assert_eq!(hex(&span.parent_span_id), PARENT_ID);
             assert!(attr(span, "tollgate.rule").is_some_and(|r| r.contains("test/traced/per-client")));
         }
+    })
+    .await;
+}
+
+/// Every span in the OTLP/HTTP protobuf exports a [`recorder`] received.
+fn exported_spans(
+    exports: &Mutex<Vec<(http::HeaderMap, Bytes)>>,
+) -> Vec<opentelemetry_proto::tonic::trace::v1::Span> {
+    let mut spans = Vec::new();
+    for (headers, body) in exports.lock().unwrap().iter() {
+        assert_eq!(
+            headers.get("content-type").unwrap(),
+            "application/x-protobuf"
+        );
+        let req = ExportTraceServiceRequest::decode(body.as_ref()).expect("OTLP protobuf");
+        for rs in req.resource_spans {
+            for ss in rs.scope_spans {
+                spans.extend(ss.spans);
+            }
+        }
+    }
+    spans
+}
+
+/// An attribute of an exported span, as an OTLP `AnyValue`.
+fn attr_value(
+    span: &opentelemetry_proto::tonic::trace::v1::Span,
+    key: &str,
+) -> Option<opentelemetry_proto::tonic::common::v1::any_value::Value> {
+    span.attributes
+        .iter()
+        .find(|a| a.key == key)
+        .and_then(|a| a.value.as_ref())
+        .and_then(|v| v.value.clone())
+}
+
+/// A `redis-server` child on a free loopback port, killed (by PID) when dropped.
+struct Redis {
+    child: std::process::Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Redis {
+    fn start() -> Redis {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("free port");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let child = std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("cannot start redis-server; install it with `apt-get install redis-server`");
+        let redis = Redis {
+            child,
+            port,
+            _dir: dir,
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis-server did not listen"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        redis
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        // `Child::kill` signals this child's PID only.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_sync_rounds_are_traced_with_redis_backed_global_rules() {
+    within(60, async {
+        let redis = Redis::start();
+        let (collector, exports) = recorder().await;
+        let upstream = Upstream::start().await;
+        let p = policy(
+            "shared",
+            "rules:\n- name: per-client\n  key: [{header: x-api-key}]\n  limit: {requests: 1000, period: 1m}\n  scope: Global\n",
+        );
+        let redis_url = format!("redis://127.0.0.1:{}", redis.port);
+        let mut s = Sidecar::start(
+            &upstream.url(),
+            &p,
+            &[
+                "--redis",
+                &redis_url,
+                "--otlp-endpoint",
+                &collector,
+                "--sync-interval",
+                "50ms",
+                // Trace spans are info level: the log filter must not hide them from export.
+                "--log",
+                "warn,tollgate_sidecar=info",
+            ],
+        )
+        .await;
+        let c = client();
+        // Keys held under a lease give the background sync something to top up or return.
+        for i in 0..20 {
+            let r = c.get(s.url("/")).header("x-api-key", format!("k{}", i % 4)).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+        }
+        // Several sync intervals (and one membership heartbeat, due once per second).
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        s.terminate();
+        s.wait_exit(Duration::from_secs(15)).await;
+
+        let spans = exported_spans(&exports);
+        let syncs: Vec<_> = spans.iter().filter(|s| s.name == "tollgate lease sync").collect();
+        assert!(
+            syncs.len() >= 3,
+            "a span per sync round: {:?}",
+            spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+        );
+        use opentelemetry_proto::tonic::common::v1::any_value::Value;
+        // `usize` attributes arrive as strings from tracing-opentelemetry.
+        let ops = |s: &opentelemetry_proto::tonic::trace::v1::Span| match attr_value(s, "lease.ops") {
+            Some(Value::IntValue(n)) => n,
+            Some(Value::StringValue(t)) => t.parse().unwrap_or(-1),
+            other => panic!("lease.ops missing: {other:?}"),
+        };
+        assert!(
+            syncs.iter().any(|s| ops(s) > 0),
+            "some round leased or returned tokens: {:?}",
+            syncs.iter().map(|s| ops(s)).collect::<Vec<_>>()
+        );
+        assert!(
+            syncs.iter().any(|s| attr_value(s, "membership.heartbeat") == Some(Value::BoolValue(true))),
+            "some round carried the membership heartbeat"
+        );
+        for span in &syncs {
+            assert!(span.end_time_unix_nano >= span.start_time_unix_nano);
+            assert!(span.parent_span_id.is_empty(), "a background round is a root span");
+        }
+        // The requests were traced too.
+        assert_eq!(spans.iter().filter(|s| s.name == "tollgate proxy").count(), 20);
     })
     .await;
 }
