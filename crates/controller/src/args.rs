@@ -91,6 +91,12 @@ pub struct Args {
     #[arg(long, env = "TOLLGATE_LOG", default_value = "info")]
     pub log: String,
 
+    /// Export traces over OTLP/HTTP to this collector (e.g. http://otel-collector:4318); the
+    /// standard `OTEL_EXPORTER_OTLP_ENDPOINT` is used when unset. Off by default; when off no
+    /// span is created.
+    #[arg(long, env = "TOLLGATE_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+
     /// Admission webhooks and the injected sidecar.
     #[command(flatten)]
     pub webhook: crate::webhook::args::WebhookArgs,
@@ -99,6 +105,8 @@ pub struct Args {
 /// Log output format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
+    /// Human-readable lines (`text`, as the sidecar calls it, is accepted too).
+    #[value(alias = "text")]
     Plain,
     Json,
 }

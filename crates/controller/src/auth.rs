@@ -19,6 +19,7 @@ use parking_lot::Mutex;
 use sha2::{Digest, Sha256};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use crate::metrics::Metrics;
 
@@ -240,7 +241,27 @@ impl Authenticator for TokenReviewAuthenticator {
                 }
                 return hit;
             }
-            let result = self.review(token).await;
+            let span = crate::telemetry::token_review_span();
+            let result = self.review(token).instrument(span.clone()).await;
+            if !span.is_disabled() {
+                let outcome = match &result {
+                    Ok(id) => {
+                        if let Some(ns) = &id.namespace {
+                            span.record("k8s.namespace.name", ns.as_str());
+                        }
+                        if let Some(pod) = &id.pod_name {
+                            span.record("k8s.pod.name", pod.as_str());
+                        }
+                        "authenticated"
+                    }
+                    Err(AuthError::Unauthenticated(_)) => "rejected",
+                    Err(AuthError::Unavailable(_)) => {
+                        span.record("otel.status_code", "ERROR");
+                        "error"
+                    }
+                };
+                span.record("tollgate.outcome", outcome);
+            }
             if let Some(m) = &self.metrics {
                 m.token_review(match &result {
                     Ok(_) => "authenticated",

@@ -20,6 +20,7 @@
 //! - [`leader`]: Lease-based leader election.
 //! - [`metrics`]: Prometheus metrics (`tollgate_controller_*`).
 //! - [`webhook`]: admission webhooks (sidecar injection, RateLimitPolicy validation) and their TLS.
+//! - [`telemetry`]: logs and OpenTelemetry traces (reconciles, status writes, token reviews).
 //! - [`args`], [`runtime`]: flags and wiring.
 
 #![forbid(unsafe_code)]
@@ -35,6 +36,7 @@ pub mod peers;
 pub mod runtime;
 pub mod server;
 pub mod status;
+pub mod telemetry;
 pub mod webhook;
 
 #[cfg(test)]

@@ -25,6 +25,7 @@ use crate::leader::{self, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::server::{Server, ServerConfig};
 use crate::status::StatusWriter;
+use crate::telemetry;
 
 /// A random identifier for this controller process (32 hex characters). Versions are only
 /// comparable within one epoch.
@@ -45,25 +46,27 @@ pub fn new_epoch() -> String {
     out
 }
 
-/// Sets up logging from the flags (`RUST_LOG` wins over `--log`).
+/// Sets up logging from the flags (`RUST_LOG` wins over `--log`) and, with `--otlp-endpoint`
+/// (or `OTEL_EXPORTER_OTLP_ENDPOINT`), trace export; see [`crate::telemetry`].
 pub fn init_tracing(args: &Args) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .or_else(|_| tracing_subscriber::EnvFilter::try_new(&args.log))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi);
-    let _ = match args.log_format {
-        LogFormat::Json => builder.json().try_init(),
-        LogFormat::Plain => builder.try_init(),
-    };
+    let endpoint = telemetry::endpoint(args.otlp_endpoint.as_deref());
+    if let Err(e) = telemetry::init(
+        filter,
+        args.log_format == LogFormat::Json,
+        endpoint.as_deref(),
+        "tollgate-controller",
+    ) {
+        eprintln!("tollgate-controller: telemetry: {e}");
+    }
 }
 
 /// Runs the controller until SIGTERM or Ctrl-C.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     init_tracing(&args);
-    let client = kube::Client::try_default().await.context(
+    let client = telemetry::kube_client().await.context(
         "cannot configure a Kubernetes client (in-cluster service account or KUBECONFIG)",
     )?;
     let identity = args
@@ -243,6 +246,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     status_task.abort();
     tracing::info!("stopped");
+    // Flushing waits for the exporter; keep it off the async workers.
+    let _ = tokio::task::spawn_blocking(telemetry::shutdown).await;
     Ok(())
 }
 
@@ -281,15 +286,16 @@ async fn watch_policies(
     };
     let mut stream = pin!(watcher::watcher(api, watcher::Config::default()).default_backoff());
     let mut buffer: Vec<PolicyInput> = Vec::new();
-    let mut logged = std::collections::HashMap::<(String, String), Option<i64>>::new();
+    let mut logged = CompileLog::new();
     while let Some(event) = stream.next().await {
         match event {
             Ok(Event::Apply(obj)) => {
-                if let Some(input) = policy_input(&obj) {
-                    log_compile(&input, &mut logged);
-                    index.write().apply_policy(input);
+                reconcile_policy(&obj, &mut logged, |input| {
+                    let mut index = index.write();
+                    let changed = index.apply_policy(input);
                     metrics.watch_event("policy", "apply");
-                }
+                    Some((changed, index.version()))
+                });
             }
             Ok(Event::Delete(obj)) => {
                 let meta = guard_metadata(&obj);
@@ -302,10 +308,10 @@ async fn watch_policies(
             }
             Ok(Event::Init) => buffer.clear(),
             Ok(Event::InitApply(obj)) => {
-                if let Some(input) = policy_input(&obj) {
-                    log_compile(&input, &mut logged);
+                reconcile_policy(&obj, &mut logged, |input| {
                     buffer.push(input);
-                }
+                    None
+                });
             }
             Ok(Event::InitDone) => {
                 let items = std::mem::take(&mut buffer);
@@ -339,23 +345,46 @@ fn policy_input(obj: &DeserializeGuard<RateLimitPolicy>) -> Option<PolicyInput> 
     }
 }
 
-/// Logs compile errors once per generation.
-fn log_compile(
-    input: &PolicyInput,
-    logged: &mut std::collections::HashMap<(String, String), Option<i64>>,
+/// The generation whose compile errors were last logged, per policy (namespace, name).
+pub type CompileLog = std::collections::HashMap<(String, String), Option<i64>>;
+
+/// One reconcile of a policy the watch delivered: compile it, log a rejection once per
+/// generation, and hand the result to `apply` (the index, or the initial list's buffer), which
+/// returns whether sidecars get new rules and the index version, when it knows. Traced as
+/// `tollgate reconcile` when traces are on (see [`crate::telemetry`]).
+pub fn reconcile_policy(
+    obj: &DeserializeGuard<RateLimitPolicy>,
+    logged: &mut CompileLog,
+    apply: impl FnOnce(PolicyInput) -> Option<(bool, u64)>,
 ) {
+    let meta = guard_metadata(obj);
+    let span = telemetry::reconcile_span(meta.namespace.as_deref(), meta.name.as_deref());
+    let _entered = span.enter();
+    let Some(input) = policy_input(obj) else {
+        return;
+    };
+    telemetry::record_reconcile(&span, &input);
+    log_compile(&input, logged);
+    if let Some((changed, version)) = apply(input) {
+        span.record("tollgate.changed", changed);
+        span.record("tollgate.version", version);
+    }
+}
+
+/// Logs compile errors once per generation.
+fn log_compile(input: &PolicyInput, logged: &mut CompileLog) {
     let key = (input.namespace.clone(), input.name.clone());
     match &input.compiled {
         Ok(_) => {
             if logged.remove(&key).is_some() {
-                tracing::info!(namespace = %input.namespace, policy = %input.name, generation = ?input.generation, "policy compiles again");
+                tracing::info!(namespace = %input.namespace, policy = %input.name, generation = input.generation, "policy compiles again");
             }
         }
         Err(errors) => {
             if logged.get(&key) != Some(&input.generation) {
                 logged.insert(key, input.generation);
                 let errors: Vec<String> = errors.iter().map(ToString::to_string).collect();
-                tracing::warn!(namespace = %input.namespace, policy = %input.name, generation = ?input.generation, errors = %errors.join("; "), "policy rejected; its last good version stays in force");
+                tracing::warn!(namespace = %input.namespace, policy = %input.name, generation = input.generation, errors = %errors.join("; "), "policy rejected; its last good version stays in force");
             }
         }
     }
