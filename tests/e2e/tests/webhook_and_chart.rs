@@ -632,6 +632,27 @@ fn chart_installs_and_the_controller_injects_sidecars_and_validates_policies() {
         ]);
         (text(&out.stdout) == "e2e-self-signed").then_some(())
     });
+    // So does the membership exchange: its own Lease, found through the label it watches.
+    wait_for("the membership Lease", Duration::from_secs(30), || {
+        ss.assert_running();
+        let out = cp.kubectl(&[
+            "-n",
+            NS,
+            "get",
+            "lease",
+            "-l",
+            "tollgate.dev/membership-of=tollgate-controller",
+            "-o",
+            "jsonpath={.items[*].spec.holderIdentity}",
+        ]);
+        (text(&out.stdout) == "e2e-self-signed").then_some(())
+    });
+    let log = ss.log();
+    assert!(
+        !log.contains("cannot publish the membership report")
+            && !log.contains("membership lease watch failed"),
+        "the chart's RBAC must allow the membership exchange:\n{log}"
+    );
     wait_for(
         "/readyz of the self-signed controller",
         Duration::from_secs(30),

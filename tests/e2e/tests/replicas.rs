@@ -1,0 +1,426 @@
+//! Two controller replicas behind one address, on a real API server.
+//!
+//! A small TCP balancer stands in for the controller's Service: each new connection goes to the
+//! next replica (skipping one that refuses). Sidecars therefore stream from both replicas, and
+//! the test shows what users of `replicas: 2` rely on:
+//!
+//! - every sidecar is told the fleet-wide member count, whichever replica it talks to, and a
+//!   global limit holds across all of them;
+//! - the leader's status counts every sidecar in sync (acks travel on the stream's HTTP/2
+//!   connection, so they reach the replica that serves the stream);
+//! - a sidecar joining through one replica reaches the counts of the other quickly (measured);
+//! - a replica stopped cleanly drops out at once, and one killed outright is forgotten after
+//!   its Lease duration; its sidecars reconnect to the survivor and keep enforcing.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tollgate_e2e::{ControlPlane, Proc, free_port, redis_server, repo_root, workspace_bin};
+
+const POLICY: &str = "shop/shop-api-keys";
+const LEASE_SECONDS: u64 = 6;
+
+fn policy(requests: u64) -> String {
+    format!(
+        r#"apiVersion: tollgate.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {{name: shop-api-keys, namespace: shop}}
+spec:
+  targetRef:
+    selector: {{matchLabels: {{app: shop-api}}}}
+  rules:
+  - name: per-api-key
+    key: [{{header: x-api-key}}]
+    limit: {{requests: {requests}, period: 1m}}
+"#
+    )
+}
+
+/// An upstream answering 200 to everything (one request per connection).
+fn app() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind app");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { continue };
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                let mut seen = Vec::new();
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = s.write_all(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+                );
+            });
+        }
+    });
+    port
+}
+
+/// Round-robin TCP balancer over `backends` (a Service's behaviour, per connection).
+fn balancer(backends: Vec<u16>) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind balancer");
+    let port = listener.local_addr().expect("addr").port();
+    let next = Arc::new(AtomicUsize::new(0));
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(client) = client else { continue };
+            let start = next.fetch_add(1, Ordering::Relaxed);
+            let upstream = (0..backends.len()).find_map(|i| {
+                let port = backends[(start + i) % backends.len()];
+                TcpStream::connect(("127.0.0.1", port)).ok()
+            });
+            let Some(upstream) = upstream else { continue };
+            let _ = client.set_nodelay(true);
+            let _ = upstream.set_nodelay(true);
+            for (mut from, mut to) in [
+                (client.try_clone().unwrap(), upstream.try_clone().unwrap()),
+                (upstream, client),
+            ] {
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut from, &mut to);
+                    let _ = to.shutdown(Shutdown::Both);
+                    let _ = from.shutdown(Shutdown::Both);
+                });
+            }
+        }
+    });
+    port
+}
+
+/// Polls `f` every 20 ms until it is true; returns the time it took.
+fn wait(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    start.elapsed()
+}
+
+/// The value of the first sample of `name` (with `labels` in its label set) on a metrics page.
+fn metric(client: &reqwest::blocking::Client, url: &str, name: &str, labels: &str) -> Option<f64> {
+    let text = client.get(url).send().ok()?.text().ok()?;
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| {
+            l.split(['{', ' ']).next() == Some(name) && (labels.is_empty() || l.contains(labels))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+struct Replica {
+    proc: Proc,
+    port: u16,
+}
+
+struct Fleet {
+    cp: ControlPlane,
+    client: reqwest::blocking::Client,
+    tokens: tempfile::TempDir,
+    redis_port: u16,
+    app_port: u16,
+    balancer_port: u16,
+    sidecars: Vec<(Proc, u16, u16)>,
+}
+
+impl Fleet {
+    fn replica(&self, identity: &str, port: u16) -> Replica {
+        let mut cmd = Command::new(workspace_bin("tollgate-controller"));
+        cmd.args([
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--identity",
+            identity,
+            "--lease-namespace",
+            "default",
+            "--lease-duration",
+            &format!("{LEASE_SECONDS}s"),
+            "--heartbeat-interval",
+            "1s",
+        ])
+        .env("KUBECONFIG", self.cp.kubeconfig());
+        let proc = Proc::spawn(&format!("tollgate-controller {identity}"), cmd);
+        proc.wait_for_log("synced: ready", Duration::from_secs(30));
+        Replica { proc, port }
+    }
+
+    /// A pod object with a bound token, and a sidecar process for it behind the balancer.
+    fn sidecar(&mut self, i: usize) {
+        let pod = format!(
+            r#"{{"apiVersion":"v1","kind":"Pod","metadata":{{"name":"p{i}","namespace":"shop","labels":{{"app":"shop-api"}}}},"spec":{{"serviceAccountName":"app","containers":[{{"name":"app","image":"example.invalid/app"}}]}}}}"#
+        );
+        self.cp.apply(&pod).expect("create pod");
+        let name = format!("p{i}");
+        let uid = self.cp.ok(&[
+            "get",
+            "pod",
+            &name,
+            "-n",
+            "shop",
+            "-o",
+            "jsonpath={.metadata.uid}",
+        ]);
+        let token = self.cp.ok(&[
+            "create",
+            "token",
+            "app",
+            "-n",
+            "shop",
+            "--bound-object-kind",
+            "Pod",
+            "--bound-object-name",
+            &name,
+            "--bound-object-uid",
+            uid.trim(),
+            "--duration",
+            "1h",
+        ]);
+        let path = self.tokens.path().join(&name);
+        std::fs::write(&path, token.trim()).unwrap();
+        let (listen, admin) = (free_port(), free_port());
+        let mut cmd = Command::new(workspace_bin("tollgate-sidecar"));
+        cmd.args([
+            "--listen",
+            &format!("127.0.0.1:{listen}"),
+            "--admin",
+            &format!("127.0.0.1:{admin}"),
+            "--upstream",
+            &format!("http://127.0.0.1:{}", self.app_port),
+            "--controller",
+            &format!("http://127.0.0.1:{}", self.balancer_port),
+            "--pod-name",
+            &name,
+            "--pod-namespace",
+            "shop",
+            "--token-file",
+            path.to_str().unwrap(),
+            "--redis",
+            &format!("redis://127.0.0.1:{}", self.redis_port),
+            "--redis-timeout",
+            "200ms",
+            "--log-format",
+            "json",
+        ]);
+        let proc = Proc::spawn(&format!("tollgate-sidecar {name}"), cmd);
+        proc.wait_for_log("tollgate-sidecar started", Duration::from_secs(30));
+        self.sidecars.push((proc, listen, admin));
+    }
+
+    /// The member count each sidecar was last told (its `tollgate_live_sidecars` gauge).
+    fn members_seen(&self) -> Vec<u64> {
+        self.sidecars
+            .iter()
+            .map(|(_, _, admin)| {
+                metric(
+                    &self.client,
+                    &format!("http://127.0.0.1:{admin}/metrics"),
+                    "tollgate_live_sidecars",
+                    POLICY,
+                )
+                .unwrap_or(-1.0) as u64
+            })
+            .collect()
+    }
+
+    fn status(&self, path: &str) -> String {
+        self.cp
+            .ok(&[
+                "get",
+                "rlp",
+                "-n",
+                "shop",
+                "shop-api-keys",
+                "-o",
+                &format!("jsonpath={path}"),
+            ])
+            .trim()
+            .to_string()
+    }
+}
+
+fn connected(client: &reqwest::blocking::Client, r: &Replica) -> u64 {
+    metric(
+        client,
+        &format!("http://127.0.0.1:{}/metrics", r.port),
+        "tollgate_controller_connected_sidecars",
+        POLICY,
+    )
+    .unwrap_or(0.0) as u64
+}
+
+fn peers(client: &reqwest::blocking::Client, r: &Replica) -> u64 {
+    metric(
+        client,
+        &format!("http://127.0.0.1:{}/metrics", r.port),
+        "tollgate_controller_peer_replicas",
+        "",
+    )
+    .unwrap_or(0.0) as u64
+}
+
+#[test]
+fn two_replicas_share_membership_status_and_the_global_limit() {
+    let cp = ControlPlane::start();
+    let crd = repo_root().join("manifests/crds/tollgate.dev_ratelimitpolicies.yaml");
+    cp.ok(&["apply", "-f", crd.to_str().unwrap()]);
+    // Polled: `kubectl wait` fails outright if it runs before the CRD has any status.
+    wait("the CRD to be Established", Duration::from_secs(60), || {
+        let out = cp.kubectl(&[
+            "get",
+            "crd/ratelimitpolicies.tollgate.dev",
+            "-o",
+            "jsonpath={.status.conditions[?(@.type==\"Established\")].status}",
+        ]);
+        String::from_utf8_lossy(&out.stdout).trim() == "True"
+    });
+    cp.ok(&["create", "namespace", "shop"]);
+    cp.ok(&["create", "serviceaccount", "app", "-n", "shop"]);
+    cp.apply(&policy(40)).expect("apply policy");
+
+    let (_redis, redis_port) = redis_server();
+    let (port_a, port_b) = (free_port(), free_port());
+    let mut fleet = Fleet {
+        client: reqwest::blocking::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .build()
+            .unwrap(),
+        tokens: tempfile::tempdir().unwrap(),
+        redis_port,
+        app_port: app(),
+        balancer_port: balancer(vec![port_a, port_b]),
+        sidecars: Vec::new(),
+        cp,
+    };
+    let a = fleet.replica("ctrl-a", port_a);
+    let mut b = fleet.replica("ctrl-b", port_b);
+    wait("each replica to see the other", Duration::from_secs(15), || {
+        peers(&fleet.client, &a) == 1 && peers(&fleet.client, &b) == 1
+    });
+
+    for i in 0..4 {
+        fleet.sidecar(i);
+    }
+    // The balancer spreads the four streams over both replicas...
+    wait("4 streams over two replicas", Duration::from_secs(20), || {
+        let (ca, cb) = (connected(&fleet.client, &a), connected(&fleet.client, &b));
+        ca + cb == 4 && ca > 0 && cb > 0
+    });
+    eprintln!(
+        "streams: {} on ctrl-a, {} on ctrl-b",
+        connected(&fleet.client, &a),
+        connected(&fleet.client, &b)
+    );
+    // ...yet every sidecar is told the fleet-wide count,
+    wait("every sidecar to count 4 members", Duration::from_secs(20), || {
+        fleet.members_seen() == [4, 4, 4, 4]
+    });
+    // and the leader's status counts every sidecar in sync (acks reached the right replica).
+    wait("status: 4 sidecars, 4 in sync, Programmed", Duration::from_secs(30), || {
+        fleet.status("{.status.sidecarsTotal}/{.status.sidecarsInSync}") == "4/4"
+            && fleet.status("{.status.conditions[?(@.type==\"Programmed\")].status}") == "True"
+    });
+
+    // The global limit (40/min) holds across the four sidecars on two replicas.
+    let admitted = Arc::new(AtomicU64::new(0));
+    let threads: Vec<_> = fleet
+        .sidecars
+        .iter()
+        .map(|(_, listen, _)| {
+            let (port, admitted, client) = (*listen, admitted.clone(), fleet.client.clone());
+            std::thread::spawn(move || {
+                for _ in 0..30 {
+                    let ok = client
+                        .get(format!("http://127.0.0.1:{port}/"))
+                        .header("x-api-key", "k1")
+                        .send()
+                        .is_ok_and(|r| r.status() == 200);
+                    if ok {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let admitted = admitted.load(Ordering::Relaxed);
+    eprintln!("global limit 40/min across 4 sidecars on 2 replicas: admitted {admitted} of 120");
+    assert!(
+        (40..=41).contains(&admitted),
+        "admitted {admitted}, limit 40 (+1 token of refill at most)"
+    );
+
+    // A fifth sidecar joins (through whichever replica): time until all five are told.
+    let t0 = Instant::now();
+    fleet.sidecar(4);
+    let joined = wait("every sidecar to count 5", Duration::from_secs(20), || {
+        fleet.members_seen().iter().all(|n| *n == 5)
+    });
+    eprintln!(
+        "sidecar p4 started and counted by all 5 sidecars on both replicas after {:?} \
+         (process start included: {:?})",
+        joined,
+        t0.elapsed()
+    );
+
+    // Clean stop of ctrl-b: its Lease goes at once, its sidecars reconnect to ctrl-a, and the
+    // count never drops below the five sidecars that keep running.
+    let moved = connected(&fleet.client, &b);
+    let t0 = Instant::now();
+    b.proc.stop(Duration::from_secs(10));
+    let left = wait("ctrl-a to drop ctrl-b", Duration::from_secs(5), || {
+        peers(&fleet.client, &a) == 0
+    });
+    wait("all 5 streams on ctrl-a", Duration::from_secs(20), || {
+        connected(&fleet.client, &a) == 5
+    });
+    eprintln!(
+        "ctrl-b stopped: dropped by ctrl-a after {left:?}; its {moved} sidecars back on ctrl-a after {:?}",
+        t0.elapsed()
+    );
+    wait("every sidecar to count 5 again", Duration::from_secs(20), || {
+        fleet.members_seen().iter().all(|n| *n == 5)
+    });
+
+    // ctrl-b comes back; a sixth sidecar lands on it; then ctrl-b is killed outright (no
+    // cleanup): ctrl-a forgets it once its Lease has gone unrenewed for the lease duration.
+    b = fleet.replica("ctrl-b", port_b);
+    wait("ctrl-a to see ctrl-b again", Duration::from_secs(15), || {
+        peers(&fleet.client, &a) == 1
+    });
+    fleet.sidecar(5);
+    wait("6 streams", Duration::from_secs(20), || {
+        connected(&fleet.client, &a) + connected(&fleet.client, &b) == 6
+    });
+    let t0 = Instant::now();
+    drop(b.proc); // SIGKILL
+    let expired = wait(
+        "ctrl-a to forget the killed replica",
+        Duration::from_secs(LEASE_SECONDS + 5),
+        || peers(&fleet.client, &a) == 0,
+    );
+    eprintln!("ctrl-b killed: forgotten by ctrl-a after {expired:?} (lease {LEASE_SECONDS}s)");
+    assert!(expired >= Duration::from_secs(LEASE_SECONDS - 2), "{expired:?}");
+    wait("all 6 sidecars on ctrl-a, each counting 6", Duration::from_secs(25), || {
+        connected(&fleet.client, &a) == 6 && fleet.members_seen().iter().all(|n| *n == 6)
+    });
+    eprintln!("after the kill: all 6 sidecars on ctrl-a after {:?}", t0.elapsed());
+    wait("status: 6/6 in sync", Duration::from_secs(30), || {
+        fleet.status("{.status.sidecarsTotal}/{.status.sidecarsInSync}") == "6/6"
+    });
+    drop(a);
+}
