@@ -81,7 +81,7 @@ impl AuditLog {
 }
 
 /// A counter key for humans: parts (joined by 0x1f) shown as '|', anything unprintable escaped.
-fn printable(key: &[u8]) -> String {
+pub fn printable(key: &[u8]) -> String {
     key.strip_suffix(&[0x1f])
         .unwrap_or(key)
         .iter()

@@ -26,10 +26,17 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Validate policy files offline and print what each rule will do; exits 1 on errors.
+    /// With --replay, replay an access log against them instead (a dry run, see
+    /// docs/operations.md).
     Check {
         /// Policy files or directories (YAML, multi-document allowed).
-        #[arg(required = true)]
+        #[arg(required_unless_present = "policy")]
         paths: Vec<PathBuf>,
+        /// Policy files or directories, as an alternative to positional paths.
+        #[arg(long)]
+        policy: Vec<PathBuf>,
+        #[command(flatten)]
+        replay: crate::replay::ReplayArgs,
     },
     /// Run the sidecar enforcing manifests/examples/demo-local.yaml (5 requests per 10 s per
     /// client) in front of a built-in upstream that answers 200, for trying tollgate out.
@@ -201,7 +208,18 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 pub fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Some(Command::Check { paths }) => check(&paths),
+        Some(Command::Check {
+            mut paths,
+            policy,
+            replay,
+        }) => {
+            paths.extend(policy);
+            if replay.replay.is_some() {
+                crate::replay::run(&paths, &replay)
+            } else {
+                check(&paths)
+            }
+        }
         Some(Command::Demo { listen, admin }) => {
             let mut args = cli.run;
             args.listen = listen;

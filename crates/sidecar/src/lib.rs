@@ -12,6 +12,7 @@ pub mod global;
 pub mod keys;
 pub mod metrics;
 pub mod proxy;
+pub mod replay;
 pub mod response;
 pub mod rules;
 pub mod telemetry;

@@ -327,6 +327,21 @@ pub struct Rejection {
     pub key: Vec<u8>,
 }
 
+/// What happened at one rule for one request, for observers of [`RuleSet::decide_observed`]
+/// (the replay dry-run). The rule's metrics count the same things.
+pub enum RuleEvent<'a> {
+    /// Exempt through the policy's bypass networks or keys.
+    Bypassed,
+    /// Matched, but a key part was missing and the rule says `onMissingKey: Skip`.
+    SkippedMissingKey,
+    /// Matched and decided locally.
+    Decided {
+        key: &'a [u8],
+        key_hash: u64,
+        decision: &'a limiter::Decision,
+    },
+}
+
 impl RuleSet {
     /// Evaluates every matching rule. Stops at the first enforcing rule that rejects, so a
     /// rejected request spends no tokens of the rules after it and costs less than an admitted one.
@@ -337,6 +352,22 @@ impl RuleSet {
         now: Nanos,
         key_buf: &mut Vec<u8>,
         hasher: &KeyHasher,
+    ) -> Verdict {
+        self.decide_observed(parts, peer, now, key_buf, hasher, &mut |_, _| {})
+    }
+
+    /// [`RuleSet::decide`], telling `observe` what happened at each rule the request reached
+    /// (by rule index). `decide` passes a no-op, which compiles away. Global rules waiting for a
+    /// Redis round trip (`pending`) are decided later and not observed.
+    #[inline]
+    pub fn decide_observed(
+        &self,
+        parts: &Parts,
+        peer: &SocketAddr,
+        now: Nanos,
+        key_buf: &mut Vec<u8>,
+        hasher: &KeyHasher,
+        observe: &mut impl FnMut(usize, RuleEvent<'_>),
     ) -> Verdict {
         let mut verdict = Verdict::default();
         let mut bypassed_policy: Option<(usize, bool)> = None;
@@ -356,6 +387,7 @@ impl RuleSet {
             };
             if bypass {
                 active.metrics.bypassed.inc();
+                observe(ri, RuleEvent::Bypassed);
                 continue;
             }
             if !active.matcher.matches(parts) {
@@ -368,12 +400,14 @@ impl RuleSet {
                 if value.is_bypass_key(&policy.bypass.keys) {
                     skip = true;
                     active.metrics.bypassed.inc();
+                    observe(ri, RuleEvent::Bypassed);
                     break;
                 }
                 if matches!(value, PartValue::Missing)
                     && active.rule.on_missing_key == MissingKey::Skip
                 {
                     skip = true;
+                    observe(ri, RuleEvent::SkippedMissingKey);
                     break;
                 }
                 value.append_to(key_buf);
@@ -414,6 +448,14 @@ impl RuleSet {
             } else {
                 active.limiter.check(key_buf, now, cost)
             };
+            observe(
+                ri,
+                RuleEvent::Decided {
+                    key: key_buf,
+                    key_hash,
+                    decision: &decision,
+                },
+            );
             if self.account(&mut verdict, ri, decision, key_hash, key_buf) {
                 return verdict;
             }

@@ -1,0 +1,413 @@
+//! `tollgate-sidecar check --policy … --replay …`: a crafted access log replayed through the real
+//! binary gives exact per-rule counts, a baseline comparison, hashed (or raw) top keys, and
+//! reports malformed lines by number without failing.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{BIN, policy};
+
+/// 2025-05-01T12:00:00Z in Unix milliseconds: a whole minute, so fixed windows start here.
+const T0_MS: u64 = 1_746_100_800_000;
+
+fn ts(offset_s: u64) -> String {
+    // RFC 3339 for whole seconds past T0 (all offsets in these tests are under an hour).
+    format!("2025-05-01T12:{:02}:{:02}Z", offset_s / 60, offset_s % 60)
+}
+
+fn line(offset_s: u64, method: &str, path: &str, key: Option<&str>, ip: &str) -> String {
+    let headers = match key {
+        Some(k) => format!(r#"{{"x-api-key":"{k}","user-agent":"test"}}"#),
+        None => "{}".to_string(),
+    };
+    format!(
+        r#"{{"ts":"{}","method":"{method}","path":"{path}","headers":{headers},"client_ip":"{ip}","status":200}}"#,
+        ts(offset_s)
+    )
+}
+
+const NEW_RULES: &str = "
+rules:
+- name: per-key
+  match: {path: {prefix: /api}}
+  key: [{header: x-api-key}]
+  limit: {requests: 2, period: 1m}
+  scope: Local
+- name: shadow-ip
+  match: {methods: [GET]}
+  key: [{clientIP: {trustedHops: 0}}]
+  limit: {requests: 3, period: 1m, algorithm: FixedWindow}
+  mode: Shadow
+  scope: Local
+- name: global-all
+  match: {path: {exact: /checkout}}
+  limit: {requests: 1, period: 1h}
+  scope: Global
+";
+
+const OLD_RULES: &str = "
+rules:
+- name: per-key
+  match: {path: {prefix: /api}}
+  key: [{header: x-api-key}]
+  limit: {requests: 3, period: 1m}
+  scope: Local
+- name: shadow-ip
+  match: {methods: [GET]}
+  key: [{clientIP: {trustedHops: 0}}]
+  limit: {requests: 3, period: 1m, algorithm: FixedWindow}
+  mode: Shadow
+  scope: Local
+- name: legacy
+  match: {path: {exact: /legacy}}
+  limit: {requests: 1, period: 1m}
+  scope: Local
+";
+
+/// The crafted log; the comments give the expected decisions under NEW_RULES / OLD_RULES.
+fn crafted_log() -> String {
+    let audit = r#"{"timestamp":"2025-05-01T12:00:05Z","level":"INFO","event":"rejected","rule":"test/replay/per-key","key_hash":"0123456789abcdef","limit":2,"retry_after_ms":1000,"message":"request rejected","target":"tollgate::audit"}"#;
+    [
+        line(0, "GET", "/api/x", Some("a"), "10.0.0.1"), // 1 per-key allow; shadow 1/3
+        line(1, "GET", "/api/x", Some("a"), "10.0.0.1"), // 2 per-key allow; shadow 2/3
+        line(2, "GET", "/api/x", Some("a"), "10.0.0.1"), // 3 new: 429 (a spent) | old: allow, shadow 3/3
+        line(3, "GET", "/api/x", Some("a"), "10.0.0.1"), // 4 429 in both
+        line(4, "GET", "/api/y?page=2", Some("b"), "10.0.0.1"), // 5 allow; new: shadow 3/3 | old: shadow-rejected
+        "this is not json".to_string(),                         // 6 malformed
+        line(5, "POST", "/checkout", None, "10.0.0.2"),         // 7 global-all allow
+        line(6, "POST", "/checkout", None, "10.0.0.2"), // 8 new: 429 (global-all, 1/h) | old: no rule
+        String::new(),                                  // 9 blank
+        format!(
+            r#"{{"ts":"{}","method":"GET","client_ip":"10.0.0.1"}}"#,
+            ts(7)
+        ), // 10 malformed
+        audit.to_string(),                              // 11 audit line, skipped
+        line(7, "GET", "/other", None, "10.0.0.1"), // 12 shadow-rejected (4th GET from .1 this minute)
+        line(61, "GET", "/api/x", Some("a"), "10.0.0.1"), // 13 a refilled: allow; new minute for shadow
+        line(10, "GET", "/api/x", Some("c"), "10.0.0.3"), // 14 out of order: replayed at 61 s; allow
+        line(62, "DELETE", "/nothing", None, "10.0.0.4"), // 15 matches no rule
+    ]
+    .join("\n")
+        + "\n"
+}
+
+struct Files {
+    dir: tempfile::TempDir,
+}
+
+impl Files {
+    fn new() -> Files {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("new.yaml"), policy("replay", NEW_RULES)).unwrap();
+        std::fs::write(dir.path().join("old.yaml"), policy("replay", OLD_RULES)).unwrap();
+        std::fs::write(dir.path().join("access.log"), crafted_log()).unwrap();
+        Files { dir }
+    }
+
+    fn path(&self, name: &str) -> String {
+        self.dir.path().join(name).display().to_string()
+    }
+}
+
+/// Runs the binary with a time bound; returns (success, stdout, stderr).
+fn run(args: &[&str]) -> (bool, String, String) {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run tollgate-sidecar");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if child.try_wait().expect("wait").is_some() {
+            break;
+        }
+        if Instant::now() > deadline {
+            // Kills this child's PID only.
+            let _ = child.kill();
+            panic!("replay did not finish within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().expect("output");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The report's lines for one rule (from `rule <id>` to the next rule or section).
+fn rule_section<'a>(report: &'a str, id: &str) -> Vec<&'a str> {
+    let mut lines = report
+        .lines()
+        .skip_while(|l| !l.starts_with(&format!("rule {id} ")));
+    let mut out: Vec<&str> = lines.next().into_iter().collect();
+    out.extend(lines.take_while(|l| l.starts_with("  ")));
+    assert!(!out.is_empty(), "no section for {id} in:\n{report}");
+    out
+}
+
+fn has(section: &[&str], needle: &str) -> bool {
+    section.iter().any(|l| l.contains(needle))
+}
+
+#[test]
+fn replay_reports_exact_counts_per_rule() {
+    let f = Files::new();
+    let (ok, out, err) = run(&[
+        "check",
+        "--policy",
+        &f.path("new.yaml"),
+        "--replay",
+        &f.path("access.log"),
+    ]);
+    assert!(ok, "exit status; stderr:\n{err}\nstdout:\n{out}");
+    assert!(
+        out.contains("15 lines: 11 requests replayed, 2 malformed, 1 audit lines skipped, 1 blank"),
+        "{out}"
+    );
+    assert!(
+        out.contains("log time 2025-05-01T12:00:00.000Z .. 2025-05-01T12:01:02.000Z (1m2s)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("1 lines were earlier than a line before them"),
+        "{out}"
+    );
+    assert!(out.contains("line 6: not JSON"), "{out}");
+    assert!(out.contains("line 10: missing \"path\""), "{out}");
+    assert!(
+        out.contains("global rules are simulated locally at their full limit")
+            && out.contains("test/replay/global-all"),
+        "{out}"
+    );
+    assert!(
+        out.contains("requests: 11, would be rejected: 3 (27.3%), admitted: 8, matched no rule: 1"),
+        "{out}"
+    );
+
+    let per_key = rule_section(&out, "test/replay/per-key");
+    assert!(per_key[0].contains("[Enforce]"), "{per_key:?}");
+    assert!(
+        has(&per_key, "matched 7, would-allow 5, would-reject 2 (28.6%)"),
+        "{per_key:?}"
+    );
+    assert!(
+        has(
+            &per_key,
+            "top rejected keys (hashed; --raw-keys shows them):"
+        ),
+        "{per_key:?}"
+    );
+    // One key ("a") was rejected twice, listed by its 16-hex-digit hash only.
+    let keys: Vec<&&str> = per_key.iter().filter(|l| l.starts_with("    ")).collect();
+    assert_eq!(keys.len(), 1, "{per_key:?}");
+    let (hash, count) = keys[0].trim().split_once(": ").unwrap();
+    assert_eq!(hash.len(), 16);
+    assert!(hash.bytes().all(|b| b.is_ascii_hexdigit()));
+    assert_eq!(count, "2");
+
+    let shadow = rule_section(&out, "test/replay/shadow-ip");
+    assert!(shadow[0].contains("[Shadow]"), "{shadow:?}");
+    assert!(
+        has(
+            &shadow,
+            "matched 6, would-allow 5, would-reject 1 (16.7%; Shadow: counted, not rejected)"
+        ),
+        "{shadow:?}"
+    );
+
+    let global = rule_section(&out, "test/replay/global-all");
+    assert!(
+        has(&global, "matched 2, would-allow 1, would-reject 1 (50.0%)"),
+        "{global:?}"
+    );
+}
+
+#[test]
+fn replay_against_a_baseline_shows_the_difference() {
+    let f = Files::new();
+    let (ok, out, err) = run(&[
+        "check",
+        "--policy",
+        &f.path("new.yaml"),
+        "--replay",
+        &f.path("access.log"),
+        "--baseline",
+        &f.path("old.yaml"),
+        "--raw-keys",
+    ]);
+    assert!(ok, "stderr:\n{err}\nstdout:\n{out}");
+    assert!(
+        out.contains(
+            "vs baseline: would be rejected 1 -> 3 (+2), newly rejected: 2, no longer rejected: 0"
+        ),
+        "{out}"
+    );
+    let per_key = rule_section(&out, "test/replay/per-key");
+    assert!(
+        has(&per_key, "matched 7, would-allow 5, would-reject 2"),
+        "{per_key:?}"
+    );
+    assert!(
+        has(
+            &per_key,
+            "baseline: matched 7, would-allow 6, would-reject 1 (would-reject +1)"
+        ),
+        "{per_key:?}"
+    );
+    // --raw-keys: the key itself, then its hash.
+    assert!(
+        per_key
+            .iter()
+            .any(|l| l.trim_start().starts_with("a (") && l.ends_with("): 2")),
+        "{per_key:?}"
+    );
+    let shadow = rule_section(&out, "test/replay/shadow-ip");
+    assert!(
+        has(
+            &shadow,
+            "baseline: matched 7, would-allow 5, would-reject 2 (would-reject -1)"
+        ),
+        "{shadow:?}"
+    );
+    let global = rule_section(&out, "test/replay/global-all");
+    assert!(
+        has(&global, "baseline: (not in the baseline)"),
+        "{global:?}"
+    );
+    assert!(out.contains("rules only in the baseline:\n  test/replay/legacy: matched 0, would-allow 0, would-reject 0"), "{out}");
+}
+
+#[test]
+fn an_hour_of_traffic_replays_in_simulated_time() {
+    // 10 requests per second for an hour against 100 per clock minute: exactly 100 of each
+    // minute's 600 are admitted. Unix-millisecond timestamps, stdin input.
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("p.yaml");
+    std::fs::write(
+        &p,
+        policy(
+            "hour",
+            "rules:\n- name: per-minute\n  key: [{header: x-api-key}]\n  limit: {requests: 100, period: 1m, algorithm: FixedWindow}\n  scope: Local\n",
+        ),
+    )
+    .unwrap();
+    let mut log = String::with_capacity(36_000 * 110);
+    for i in 0..36_000u64 {
+        log.push_str(&format!(
+            "{{\"ts\":{},\"method\":\"GET\",\"path\":\"/\",\"headers\":{{\"x-api-key\":\"k\"}},\"client_ip\":\"10.1.2.3\"}}\n",
+            T0_MS + i * 100
+        ));
+    }
+    let started = Instant::now();
+    let mut child = Command::new(BIN)
+        .args(["check", "--policy"])
+        .arg(&p)
+        .args(["--replay", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(log.as_bytes()).unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("replay of - against"), "{stdout}");
+    assert!(stdout.contains("(59m59s900ms)"), "{stdout}");
+    let rule = rule_section(&stdout, "test/hour/per-minute");
+    assert!(
+        has(&rule, "matched 36000, would-allow 6000, would-reject 30000"),
+        "{rule:?}"
+    );
+    // An hour of traffic, decided in far less than an hour (debug build, busy machine).
+    assert!(started.elapsed() < Duration::from_secs(60));
+}
+
+#[test]
+fn unusable_inputs_fail_cleanly() {
+    let f = Files::new();
+    // Every line malformed: reported by number, exit 1, no panic.
+    let bad = f.path("bad.log");
+    std::fs::write(&bad, "{\"ts\":1}\n\u{0}\u{1}garbage\n[]\n{\"ts\":\"2025-05-01T12:00:00Z\",\"method\":\"GET\",\"path\":\"/\",\"client_ip\":\"nope\"}\n").unwrap();
+    let (ok, out, err) = run(&["check", "--policy", &f.path("new.yaml"), "--replay", &bad]);
+    assert!(!ok);
+    assert!(
+        out.contains("4 lines: 0 requests replayed, 4 malformed"),
+        "{out}"
+    );
+    for n in 1..=4 {
+        assert!(out.contains(&format!("line {n}: ")), "{out}");
+    }
+    assert!(err.contains("no line of"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+
+    // Invalid UTF-8 is one malformed line, not a read error.
+    let binary = f.path("binary.log");
+    let mut bytes = crafted_log().into_bytes();
+    bytes.extend_from_slice(b"\xff\xfe\n");
+    std::fs::write(&binary, bytes).unwrap();
+    let (ok, out, _) = run(&[
+        "check",
+        "--policy",
+        &f.path("new.yaml"),
+        "--replay",
+        &binary,
+    ]);
+    assert!(ok);
+    assert!(out.contains("line 16: not UTF-8"), "{out}");
+
+    // A missing log and a broken policy are errors.
+    let (ok, _, err) = run(&[
+        "check",
+        "--policy",
+        &f.path("new.yaml"),
+        "--replay",
+        &f.path("missing.log"),
+    ]);
+    assert!(!ok && err.contains("missing.log"), "{err}");
+    let broken = f.path("broken.yaml");
+    std::fs::write(
+        &broken,
+        policy(
+            "broken",
+            "rules:\n- name: r\n  limit: {requests: 0, period: 1m}\n",
+        ),
+    )
+    .unwrap();
+    let (ok, _, err) = run(&[
+        "check",
+        "--policy",
+        &broken,
+        "--replay",
+        &f.path("access.log"),
+    ]);
+    assert!(!ok && err.contains("requests"), "{err}");
+
+    // --baseline needs --replay; plain `check` still works with --policy or paths.
+    let (ok, _, _) = run(&[
+        "check",
+        "--policy",
+        &f.path("new.yaml"),
+        "--baseline",
+        &f.path("old.yaml"),
+    ]);
+    assert!(!ok);
+    let (ok, out, _) = run(&["check", "--policy", &f.path("new.yaml")]);
+    assert!(ok && out.contains("policy test/replay"), "{out}");
+    assert!(Path::new(&f.path("access.log")).exists());
+}
