@@ -210,7 +210,8 @@ impl GlobalRule {
                 tokens: AtomicU64::new(0),
                 spent: AtomicU64::new(0),
                 target: AtomicU64::new(1),
-                global_remaining: AtomicU64::new(0),
+                // Unknown until Redis answers for this key.
+                global_remaining: AtomicU64::new(u64::MAX),
                 reset_ms: AtomicU64::new(0),
                 window: AtomicU64::new(0),
                 valid_until: AtomicU64::new(0),
@@ -224,20 +225,33 @@ impl GlobalRule {
     /// The hot path: spend from the local lease, or decide by the failure mode while Redis is
     /// known to be down. Never awaits, never touches the network.
     pub fn try_local(&self, field: &[u8; 16], key: &[u8], now: Nanos, cost: u64) -> LocalOutcome {
-        if !self.strict
-            && let Some(slot) = self.slot(field)
-            && let Some(d) = self.spend(&slot, now, cost)
-        {
-            return LocalOutcome::Decided(d);
+        let slot = if self.strict { None } else { self.slot(field) };
+        if let Some(slot) = &slot {
+            if let Some(d) = self.spend(slot, now, cost) {
+                return LocalOutcome::Decided(d);
+            }
+            // Over its limit by Redis's last answer: wait for the next top-up (woken now) rather
+            // than ask Redis on every rejected request, which would cost a round trip each and,
+            // with Redis slow, time out and leak the tokens the call took.
+            if let Some(d) = self.known_exhausted(slot, now, cost) {
+                self.runtime.wake.notify_one();
+                return LocalOutcome::Decided(d);
+            }
         }
         if self.runtime.store.breaker.is_open() {
-            return self.degraded(key, now, cost);
+            return self.degraded(slot.as_deref(), key, now, cost);
         }
         LocalOutcome::NeedRemote
     }
 
-    /// Decision while Redis is unreachable: the rule's failure mode.
-    fn degraded(&self, key: &[u8], now: Nanos, cost: u64) -> LocalOutcome {
+    /// Decision while Redis cannot be asked: the rule's failure mode, except for a key that is
+    /// known to be over its limit (below).
+    fn degraded(&self, slot: Option<&Slot>, key: &[u8], now: Nanos, cost: u64) -> LocalOutcome {
+        if let Some(slot) = slot
+            && let Some(d) = self.known_exhausted(slot, now, cost)
+        {
+            return LocalOutcome::Decided(d);
+        }
         match self.failure_mode {
             FailureMode::Closed => LocalOutcome::Unavailable,
             FailureMode::Open => {
@@ -248,6 +262,37 @@ impl GlobalRule {
                 LocalOutcome::Decided(d)
             }
         }
+    }
+
+    /// A key whose lease is still valid (Redis answered a sync for it within the lease TTL) but
+    /// spent, and whose global bucket Redis last reported empty, is over its limit: it gets a 429
+    /// without a round trip, and never the failure mode, which is for requests Redis could not
+    /// decide. Without this a slow Redis (request-path calls timing out while background syncs
+    /// still succeed) sent every request above the limit to the failure mode: fail-open admitted
+    /// them through the fallback on top of the leases (a second limit's worth), fail-closed
+    /// answered 503, and each timed-out call lost the tokens it had taken.
+    fn known_exhausted(&self, slot: &Slot, now: Nanos, cost: u64) -> Option<Decision> {
+        if slot.valid_until.load(Ordering::Acquire) < now
+            || slot.global_remaining.load(Ordering::Relaxed) >= cost
+        {
+            return None;
+        }
+        // Time for `cost` tokens to refill (token bucket) or for the window to reset; the next
+        // sync tops the lease up from whatever Redis holds by then.
+        let retry_ms = match self.algorithm {
+            1 => cost
+                .saturating_mul(self.period_ms)
+                .div_ceil(self.requests.max(1)),
+            _ => slot.reset_ms.load(Ordering::Relaxed),
+        };
+        Some(Decision {
+            allowed: false,
+            limit: self.capacity,
+            remaining: 0,
+            reset: slot.reset_ms.load(Ordering::Relaxed) * NANOS_PER_MS,
+            retry_after: retry_ms.max(1) * NANOS_PER_MS,
+            delay: 0,
+        })
     }
 
     /// Takes `cost` from the slot's allowance if it holds enough and the lease is valid.
@@ -299,7 +344,7 @@ impl GlobalRule {
             let op = self.op(field, group, cost, 0, 0, true);
             return match self.call(op, timeout).await {
                 Ok(r) => LocalOutcome::Decided(self.decision_from(&r, r.granted >= cost)),
-                Err(_) => self.degraded(key, now, cost),
+                Err(_) => self.degraded(None, key, now, cost),
             };
         }
         let slot = self.slot_or_insert(field, group, now);
@@ -307,7 +352,7 @@ impl GlobalRule {
         // request never waits longer than the timeout because of Redis.
         let deadline = tokio::time::Instant::now() + timeout;
         let Ok(_guard) = tokio::time::timeout_at(deadline, slot.refill.lock()).await else {
-            return self.degraded(key, now, cost);
+            return self.degraded(Some(&slot), key, now, cost);
         };
         // The refill we waited for may have brought enough tokens.
         if let Some(d) = self.spend(&slot, now, cost) {
@@ -315,7 +360,7 @@ impl GlobalRule {
         }
         let timeout = deadline.saturating_duration_since(tokio::time::Instant::now());
         if timeout.is_zero() {
-            return self.degraded(key, now, cost);
+            return self.degraded(Some(&slot), key, now, cost);
         }
         let held = slot.tokens.load(Ordering::Acquire);
         let target = slot.target.load(Ordering::Relaxed).min(self.share());
@@ -332,7 +377,7 @@ impl GlobalRule {
                     None => LocalOutcome::Decided(self.decision_from(&r, false)),
                 }
             }
-            Err(_) => self.degraded(key, now, cost),
+            Err(_) => self.degraded(Some(&slot), key, now, cost),
         }
     }
 

@@ -204,7 +204,7 @@ pub async fn sync_loop(shared: Arc<Shared>, runtime: Arc<GlobalRuntime>, members
                     }
                 }
             }
-        } else if heartbeat_due && runtime.store.breaker.allow() {
+        } else if heartbeat_due {
             heartbeat_policies = globals.iter().map(|(g, _)| g.policy_id.clone()).collect();
             heartbeat_policies.sort();
             heartbeat_policies.dedup();
@@ -241,18 +241,19 @@ pub async fn sync_loop(shared: Arc<Shared>, runtime: Arc<GlobalRuntime>, members
             )
         };
         let sent = tokio::time::Instant::now();
+        // The sync is not gated by the breaker: it runs in the background with its own timeout
+        // and is the breaker's probe every interval. Gating it would let request-path timeouts
+        // (cold keys against a slow Redis) starve hot keys of top-ups and lease renewals.
         let lease = async {
             if ops.is_empty() {
                 None
-            } else if runtime.store.breaker.allow() {
+            } else {
                 Some(
                     runtime
                         .store
                         .lease_batch(&ops, runtime.settings.sync_timeout)
                         .await,
                 )
-            } else {
-                Some(Err(store::StoreError::BreakerOpen))
             }
         };
         let round = async { tokio::join!(heartbeat, lease) };
