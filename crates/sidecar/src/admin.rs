@@ -105,6 +105,8 @@ fn route(shared: &Shared, req: &Request<Incoming>) -> Response<Full<Bytes>> {
         "/debug/config" => json(&serde_json::json!({
             "version": shared.rules.load().version,
             "configError": shared.config_error.load().as_deref(),
+            // Secrets are never shown: the URL is redacted, files are named, not read.
+            "redis": shared.global.get().map(|g| g.store.describe()),
         })),
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
     }

@@ -69,13 +69,19 @@ pub async fn run(
 
     let global = match &args.redis {
         Some(url) => {
-            let store = crate::global::Store::with_breaker(
-                url,
-                args.redis_cluster,
-                args.redis_groups,
-                args.sync_interval,
-            )
-            .map_err(|e| anyhow::anyhow!("--redis: {e}"))?;
+            let options = crate::global::store::RedisOptions {
+                url: url.clone(),
+                cluster: args.redis_cluster,
+                username: args.redis_username.clone(),
+                password_file: args.redis_password_file.clone(),
+                ca_file: args.redis_ca_file.clone(),
+                client_cert_file: args.redis_client_cert_file.clone(),
+                client_key_file: args.redis_client_key_file.clone(),
+            };
+            let store =
+                crate::global::Store::with_options(options, args.redis_groups, args.sync_interval)
+                    .map_err(|e| anyhow::anyhow!("--redis: {e}"))?;
+            store.set_metrics(shared.metrics.global.clone());
             Some(Arc::new(GlobalRuntime {
                 store,
                 settings: LeaseSettings {
@@ -112,11 +118,16 @@ pub async fn run(
     let admin = TcpListener::bind(args.admin)
         .await
         .with_context(|| format!("cannot listen on {} (admin)", args.admin))?;
+    if let Some(rt) = &global {
+        let _ = shared.global.set(Arc::clone(rt));
+    }
+    let redis = global.as_ref().map(|rt| rt.store.options().redacted());
     tracing::info!(
         listen = %listener.local_addr()?,
         admin = %admin.local_addr()?,
         upstream = %shared.config.upstream,
         rules = %source,
+        redis = redis.as_deref(),
         "tollgate-sidecar started"
     );
 

@@ -140,14 +140,47 @@ pub struct RunArgs {
     #[arg(long, env = "TOLLGATE_CONTROLLER_IDLE_TIMEOUT", default_value = "15s", value_parser = parse_duration)]
     pub controller_idle_timeout: Duration,
 
-    /// Redis for global limits (`redis://[:password@]host:port`, `rediss://` for TLS). Without
-    /// it, `scope: Global` rules are enforced per sidecar.
-    #[arg(long, env = "TOLLGATE_REDIS_URL")]
+    /// Redis for global limits (`redis://host:port`, `rediss://` for TLS). Without it,
+    /// `scope: Global` rules are enforced per sidecar. A `user:password@` in the URL works, but
+    /// --redis-password-file keeps the password off the command line; the URL is only ever
+    /// logged or shown with its password replaced by `***`.
+    #[arg(long, env = "TOLLGATE_REDIS_URL", hide_env_values = true)]
     pub redis: Option<String>,
 
     /// Treat --redis as a comma-separated list of Redis Cluster seed nodes.
     #[arg(long, env = "TOLLGATE_REDIS_CLUSTER", default_value_t = false)]
     pub redis_cluster: bool,
+
+    /// Redis ACL user name (Redis 6+); overrides a user in the URL.
+    #[arg(long, env = "TOLLGATE_REDIS_USERNAME")]
+    pub redis_username: Option<String>,
+
+    /// File holding the Redis password (a mounted Secret); overrides a password in the URL. Read
+    /// at every new connection, so a rotated password is picked up without a restart. While it
+    /// is missing or wrong, global rules follow their failure mode.
+    #[arg(long, env = "TOLLGATE_REDIS_PASSWORD_FILE")]
+    pub redis_password_file: Option<PathBuf>,
+
+    /// PEM CA bundle the Redis server's certificate must chain to (needs `rediss://`); without
+    /// it the system roots are used.
+    #[arg(long, env = "TOLLGATE_REDIS_CA_FILE")]
+    pub redis_ca_file: Option<PathBuf>,
+
+    /// PEM client certificate for Redis servers that require mutual TLS (`tls-auth-clients`).
+    #[arg(
+        long,
+        env = "TOLLGATE_REDIS_CLIENT_CERT_FILE",
+        requires = "redis_client_key_file"
+    )]
+    pub redis_client_cert_file: Option<PathBuf>,
+
+    /// PEM private key of --redis-client-cert-file.
+    #[arg(
+        long,
+        env = "TOLLGATE_REDIS_CLIENT_KEY_FILE",
+        requires = "redis_client_cert_file"
+    )]
+    pub redis_client_key_file: Option<PathBuf>,
 
     /// Longest a request waits for Redis (cold keys, dry leases, strict rules) before the
     /// rule's failure mode applies.

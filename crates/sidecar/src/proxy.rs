@@ -55,6 +55,8 @@ pub struct Shared {
     pub ready: AtomicBool,
     /// The last configuration error, while the previous good rules stay in force.
     pub config_error: ArcSwapOption<String>,
+    /// The global limiter, when Redis is configured (for `/debug/config`).
+    pub global: std::sync::OnceLock<Arc<crate::global::GlobalRuntime>>,
     client: Client<HttpConnector, Incoming>,
     upstream_scheme: http::uri::Scheme,
     upstream_authority: http::uri::Authority,
@@ -94,6 +96,7 @@ impl Shared {
             config,
             ready: AtomicBool::new(false),
             config_error: ArcSwapOption::empty(),
+            global: std::sync::OnceLock::new(),
             client,
             upstream_scheme: scheme,
             upstream_authority: authority,

@@ -92,7 +92,7 @@ impl GlobalMetrics {
         );
         r.register(
             "redis_errors",
-            "Failed Redis calls by kind (timeout, connection, breaker_open, error, bad_reply)",
+            "Failed Redis calls by kind (timeout, connection, auth, config, breaker_open, error, bad_reply)",
             m.redis_errors.clone(),
         );
         r.register(
@@ -178,7 +178,11 @@ pub async fn sync_loop(shared: Arc<Shared>, runtime: Arc<GlobalRuntime>, members
         if open != was_open {
             runtime.metrics.breaker_open.set(i64::from(open));
             if open {
-                tracing::warn!("redis unreachable: global rules follow their failure mode");
+                tracing::warn!(
+                    redis = %runtime.store.options().redacted(),
+                    error = runtime.store.last_error().as_deref(),
+                    "redis unreachable: global rules follow their failure mode"
+                );
             } else {
                 tracing::info!("redis reachable again: global rules back on leases");
             }

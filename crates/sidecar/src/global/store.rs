@@ -6,7 +6,9 @@
 //! and reports to the breaker, so a slow or dead Redis costs a request at most one timeout and
 //! then nothing until the breaker lets a probe through.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
@@ -17,7 +19,7 @@ const MEMBERS_LUA: &str = include_str!("members.lua");
 
 /// Why a Redis call failed. Every kind is transient from the limiter's point of view: the rule's
 /// failure mode applies and the breaker decides when to try again.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error("redis call timed out after {0:?}")]
     Timeout(Duration),
@@ -27,6 +29,10 @@ pub enum StoreError {
     Redis(#[from] redis::RedisError),
     #[error("unexpected script reply: {0}")]
     BadReply(String),
+    /// A credential or certificate file cannot be used, or the options contradict each other.
+    /// The message names the flag and the path, never a secret.
+    #[error("redis configuration: {0}")]
+    Config(String),
 }
 
 impl StoreError {
@@ -35,12 +41,260 @@ impl StoreError {
         match self {
             StoreError::Timeout(_) => "timeout",
             StoreError::BreakerOpen => "breaker_open",
+            _ if self.is_auth() => "auth",
             StoreError::Redis(e) if e.is_connection_dropped() || e.is_connection_refusal() => {
                 "connection"
             }
+            StoreError::Redis(e) if e.kind() == redis::ErrorKind::Io => "connection",
             StoreError::Redis(_) => "error",
             StoreError::BadReply(_) => "bad_reply",
+            StoreError::Config(_) => "config",
         }
+    }
+
+    /// Whether Redis refused the credentials (wrong password or user, or none given).
+    pub fn is_auth(&self) -> bool {
+        let StoreError::Redis(e) = self else {
+            return false;
+        };
+        if e.kind() == redis::ErrorKind::AuthenticationFailed {
+            return true;
+        }
+        // The cluster client wraps the cause ("Failed to create initial connections - ...").
+        let code = e.code().unwrap_or_default();
+        let text = e.to_string();
+        ["WRONGPASS", "NOAUTH", "NOPERM", "AuthenticationFailed"]
+            .iter()
+            .any(|c| code == *c || text.contains(c))
+    }
+}
+
+/// How to reach and authenticate to Redis. Secrets stay in files that are read at every new
+/// connection (a rotated password or certificate is picked up without a restart); the URL is
+/// only ever shown redacted ([`redact_url`]).
+#[derive(Clone, Default)]
+pub struct RedisOptions {
+    /// `redis://` or `rediss://` (TLS) URL; with `cluster`, a comma-separated list of seeds.
+    /// May carry `user:password@`, though `password_file` keeps the password off the command
+    /// line and out of the environment.
+    pub url: String,
+    pub cluster: bool,
+    /// ACL user (Redis 6+); overrides a user in the URL.
+    pub username: Option<String>,
+    /// File whose content (one trailing newline ignored) is the password; overrides the URL's.
+    pub password_file: Option<PathBuf>,
+    /// PEM CA bundle the server certificate must chain to, instead of the system roots.
+    pub ca_file: Option<PathBuf>,
+    /// PEM client certificate chain and key, for servers that require mutual TLS.
+    pub client_cert_file: Option<PathBuf>,
+    pub client_key_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for RedisOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisOptions")
+            .field("url", &redact_url(&self.url))
+            .field("cluster", &self.cluster)
+            .field("username", &self.username)
+            .field("password_file", &self.password_file)
+            .field("ca_file", &self.ca_file)
+            .field("client_cert_file", &self.client_cert_file)
+            .field("client_key_file", &self.client_key_file)
+            .finish()
+    }
+}
+
+/// The URL(s) with every password replaced by `***` (the user name is kept). Anything between
+/// `://` and the last `@` that follows a `:` is treated as a password, so an unescaped `/`, `@`
+/// or `#` in a password cannot make part of it visible.
+pub fn redact_url(urls: &str) -> String {
+    urls.split(',')
+        .map(|u| {
+            let u = u.trim();
+            let Some((scheme, rest)) = u.split_once("://") else {
+                return if u.contains('@') {
+                    "<redacted>".to_string()
+                } else {
+                    u.to_string()
+                };
+            };
+            match rest.rsplit_once('@') {
+                Some((userinfo, host)) => match userinfo.split_once(':') {
+                    Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+                    None => format!("{scheme}://{userinfo}@{host}"),
+                },
+                None => u.to_string(),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+impl RedisOptions {
+    /// Options for a URL (or seed list) without files.
+    pub fn new(url: &str, cluster: bool) -> RedisOptions {
+        RedisOptions {
+            url: url.to_string(),
+            cluster,
+            ..RedisOptions::default()
+        }
+    }
+
+    fn urls(&self) -> Vec<&str> {
+        if self.cluster {
+            self.url.split(',').map(str::trim).collect()
+        } else {
+            vec![self.url.trim()]
+        }
+    }
+
+    /// The URL(s) for logs and `/debug/config`.
+    pub fn redacted(&self) -> String {
+        redact_url(&self.url)
+    }
+
+    /// Whether connections use TLS (`rediss://`).
+    pub fn tls(&self) -> bool {
+        self.urls().iter().all(|u| u.starts_with("rediss://"))
+    }
+
+    /// Checks what can be checked without reading files or connecting. Messages never
+    /// contain the URL unredacted.
+    pub fn validate(&self) -> Result<(), StoreError> {
+        use redis::IntoConnectionInfo;
+        let urls = self.urls();
+        for u in &urls {
+            u.into_connection_info().map_err(|e| {
+                StoreError::Config(format!(
+                    "{} is not a Redis URL (redis://host:port or rediss://host:port): {e}",
+                    redact_url(u)
+                ))
+            })?;
+        }
+        let tls = urls.iter().filter(|u| u.starts_with("rediss://")).count();
+        if tls != 0 && tls != urls.len() {
+            return Err(StoreError::Config(
+                "mix of redis:// and rediss:// seeds; use one scheme".into(),
+            ));
+        }
+        let files = [
+            ("--redis-ca-file", &self.ca_file),
+            ("--redis-client-cert-file", &self.client_cert_file),
+            ("--redis-client-key-file", &self.client_key_file),
+        ];
+        for (flag, file) in files {
+            if file.is_some() && tls == 0 {
+                return Err(StoreError::Config(format!(
+                    "{flag} needs a rediss:// URL (TLS); refusing to connect in plain text"
+                )));
+            }
+        }
+        if self.ca_file.is_some() && urls.iter().any(|u| u.ends_with("#insecure")) {
+            return Err(StoreError::Config(
+                "--redis-ca-file and #insecure (no certificate check) contradict each other".into(),
+            ));
+        }
+        if self.client_cert_file.is_some() != self.client_key_file.is_some() {
+            return Err(StoreError::Config(
+                "--redis-client-cert-file and --redis-client-key-file go together".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn read(flag: &str, path: &PathBuf) -> Result<Vec<u8>, StoreError> {
+        std::fs::read(path)
+            .map_err(|e| StoreError::Config(format!("cannot read {flag} {}: {e}", path.display())))
+    }
+
+    /// The password from `password_file`, if set (a trailing newline is not part of it).
+    fn password(&self) -> Result<Option<String>, StoreError> {
+        let Some(path) = &self.password_file else {
+            return Ok(None);
+        };
+        let bytes = Self::read("--redis-password-file", path)?;
+        let text = String::from_utf8(bytes).map_err(|_| {
+            StoreError::Config(format!(
+                "--redis-password-file {} is not UTF-8",
+                path.display()
+            ))
+        })?;
+        let password = text
+            .strip_suffix("\r\n")
+            .or_else(|| text.strip_suffix('\n'))
+            .unwrap_or(&text);
+        if password.is_empty() {
+            return Err(StoreError::Config(format!(
+                "--redis-password-file {} is empty",
+                path.display()
+            )));
+        }
+        Ok(Some(password.to_string()))
+    }
+
+    /// Certificates from the files, when any is set.
+    fn certificates(&self) -> Result<Option<redis::TlsCertificates>, StoreError> {
+        let root_cert = match &self.ca_file {
+            Some(p) => Some(Self::read("--redis-ca-file", p)?),
+            None => None,
+        };
+        let client_tls = match (&self.client_cert_file, &self.client_key_file) {
+            (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+                client_cert: Self::read("--redis-client-cert-file", cert)?,
+                client_key: Self::read("--redis-client-key-file", key)?,
+            }),
+            _ => None,
+        };
+        if root_cert.is_none() && client_tls.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(redis::TlsCertificates {
+            client_tls,
+            root_cert,
+        }))
+    }
+
+    /// Connects once: reads the files, builds the client, authenticates.
+    async fn connect(&self) -> Result<Conn, StoreError> {
+        use redis::IntoConnectionInfo;
+        let password = self.password()?;
+        let certs = self.certificates()?;
+        if self.cluster {
+            let mut builder = redis::cluster::ClusterClient::builder(self.urls())
+                .connection_timeout(Duration::from_secs(2))
+                .response_timeout(Duration::from_secs(2));
+            if let Some(user) = &self.username {
+                builder = builder.username(user);
+            }
+            if let Some(pw) = &password {
+                builder = builder.password(pw);
+            }
+            if let Some(certs) = certs {
+                builder = builder.certs(certs);
+            }
+            let client = builder.build()?;
+            return Ok(Conn::Cluster(client.get_async_connection().await?));
+        }
+        let info = self.url.trim().into_connection_info()?;
+        let mut settings = info.redis_settings().clone();
+        if let Some(user) = &self.username {
+            settings = settings.set_username(user);
+        }
+        if let Some(pw) = &password {
+            settings = settings.set_password(pw);
+        }
+        let info = info.set_redis_settings(settings);
+        let client = match certs {
+            Some(certs) => redis::Client::build_with_tls(info, certs)?,
+            None => redis::Client::open(info)?,
+        };
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(2)))
+            .set_response_timeout(Some(Duration::from_secs(2)))
+            .set_number_of_retries(1);
+        Ok(Conn::Single(
+            client.get_connection_manager_with_config(config).await?,
+        ))
     }
 }
 
@@ -169,18 +423,71 @@ impl Breaker {
     }
 }
 
-/// Where to connect: a single node (multiplexed, auto-reconnecting) or a Redis Cluster.
-enum Target {
-    Single(Box<redis::Client>),
-    Cluster(Box<redis::cluster::ClusterClient>),
+/// Longest a connection attempt (TCP, TLS handshake, AUTH) may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Makes and keeps the connection. Attempts run in their own task, so a request that stops
+/// waiting (its timeout is a few milliseconds) does not cancel a TLS handshake half-way.
+struct Connector {
+    options: RedisOptions,
+    conn: arc_swap::ArcSwapOption<Conn>,
+    connecting: AtomicBool,
+    /// Bumped after every attempt; waiters subscribe before starting or joining one.
+    attempts: tokio::sync::watch::Sender<u64>,
+    last_error: parking_lot::Mutex<Option<StoreError>>,
+    /// The failure last logged at warn level: a failure is logged once, not every attempt.
+    reported: parking_lot::Mutex<Option<String>>,
+    /// Failed attempts are counted here (callers that stop waiting only see a timeout).
+    metrics: std::sync::OnceLock<super::GlobalMetrics>,
+}
+
+impl Connector {
+    async fn attempt(self: Arc<Self>) {
+        let result = match tokio::time::timeout(CONNECT_TIMEOUT, self.options.connect()).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Timeout(CONNECT_TIMEOUT)),
+        };
+        match result {
+            Ok(conn) => {
+                self.conn.store(Some(Arc::new(conn)));
+                *self.last_error.lock() = None;
+                *self.reported.lock() = None;
+                tracing::info!(
+                    redis = %self.options.redacted(),
+                    tls = self.options.tls(),
+                    "connected to redis"
+                );
+            }
+            Err(e) => {
+                if let Some(m) = self.metrics.get() {
+                    m.redis_error(e.kind());
+                }
+                let message = e.to_string();
+                let mut reported = self.reported.lock();
+                if reported.as_deref() != Some(message.as_str()) {
+                    tracing::warn!(
+                        redis = %self.options.redacted(),
+                        kind = e.kind(),
+                        error = %message,
+                        "cannot connect to redis; global rules follow their failure mode until it succeeds"
+                    );
+                    *reported = Some(message);
+                } else {
+                    tracing::debug!(error = %message, "redis connection attempt failed");
+                }
+                drop(reported);
+                *self.last_error.lock() = Some(e);
+            }
+        }
+        self.connecting.store(false, Ordering::Release);
+        self.attempts.send_modify(|n| *n = n.wrapping_add(1));
+    }
 }
 
 /// Redis with the tollgate scripts. The connection is made lazily and re-made after failures,
 /// so a sidecar starts (and follows its failure modes) while Redis is down.
 pub struct Store {
-    target: Target,
-    conn: arc_swap::ArcSwapOption<Conn>,
-    connecting: tokio::sync::Mutex<()>,
+    connector: Arc<Connector>,
     lease: redis::Script,
     members: redis::Script,
     pub breaker: Breaker,
@@ -203,18 +510,27 @@ impl Store {
         groups: u32,
         breaker_open: Duration,
     ) -> Result<Store, StoreError> {
-        let target = if cluster {
-            let nodes: Vec<&str> = url.split(',').map(str::trim).collect();
-            Target::Cluster(Box::new(
-                redis::cluster::ClusterClient::builder(nodes).build()?,
-            ))
-        } else {
-            Target::Single(Box::new(redis::Client::open(url)?))
-        };
+        Store::with_options(RedisOptions::new(url, cluster), groups, breaker_open)
+    }
+
+    /// A store with credentials and TLS settings. Validates the options; does not connect or
+    /// read the files yet (they are read at every connection attempt).
+    pub fn with_options(
+        options: RedisOptions,
+        groups: u32,
+        breaker_open: Duration,
+    ) -> Result<Store, StoreError> {
+        options.validate()?;
         Ok(Store {
-            target,
-            conn: arc_swap::ArcSwapOption::empty(),
-            connecting: tokio::sync::Mutex::new(()),
+            connector: Arc::new(Connector {
+                options,
+                conn: arc_swap::ArcSwapOption::empty(),
+                connecting: AtomicBool::new(false),
+                attempts: tokio::sync::watch::Sender::new(0),
+                last_error: parking_lot::Mutex::new(None),
+                reported: parking_lot::Mutex::new(None),
+                metrics: std::sync::OnceLock::new(),
+            }),
             lease: redis::Script::new(LEASE_LUA),
             members: redis::Script::new(MEMBERS_LUA),
             breaker: Breaker::new(breaker_open),
@@ -223,27 +539,76 @@ impl Store {
         })
     }
 
-    /// The connection, connecting first if needed. Callers bound this with their timeout.
+    /// Where failed connection attempts are counted (`tollgate_redis_errors_total{kind}`).
+    pub fn set_metrics(&self, metrics: super::GlobalMetrics) {
+        let _ = self.connector.metrics.set(metrics);
+    }
+
+    /// How Redis is reached (for logs; the URL is only shown redacted).
+    pub fn options(&self) -> &RedisOptions {
+        &self.connector.options
+    }
+
+    /// The connection settings and state for `/debug/config`, without secrets.
+    pub fn describe(&self) -> serde_json::Value {
+        let o = &self.connector.options;
+        serde_json::json!({
+            "url": o.redacted(),
+            "cluster": o.cluster,
+            "tls": o.tls(),
+            "username": o.username,
+            "passwordFile": o.password_file,
+            "caFile": o.ca_file,
+            "clientCertFile": o.client_cert_file,
+            "connected": self.connector.conn.load().is_some(),
+            "lastError": self.connector.last_error.lock().as_ref().map(ToString::to_string),
+        })
+    }
+
+    /// The connection, connecting first if needed. Callers bound this with their timeout; an
+    /// attempt they stop waiting for still completes.
     async fn conn(&self) -> Result<Conn, StoreError> {
-        if let Some(c) = self.conn.load_full() {
-            return Ok((*c).clone());
+        let c = &self.connector;
+        if let Some(conn) = c.conn.load_full() {
+            return Ok((*conn).clone());
         }
-        let _guard = self.connecting.lock().await;
-        if let Some(c) = self.conn.load_full() {
-            return Ok((*c).clone());
+        let mut attempts = c.attempts.subscribe();
+        if let Some(conn) = c.conn.load_full() {
+            return Ok((*conn).clone());
         }
-        let conn = match &self.target {
-            Target::Single(client) => {
-                let config = redis::aio::ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(Duration::from_secs(2)))
-                    .set_response_timeout(Some(Duration::from_secs(2)))
-                    .set_number_of_retries(1);
-                Conn::Single(client.get_connection_manager_with_config(config).await?)
-            }
-            Target::Cluster(client) => Conn::Cluster(client.get_async_connection().await?),
-        };
-        self.conn.store(Some(std::sync::Arc::new(conn.clone())));
-        Ok(conn)
+        if !c.connecting.swap(true, Ordering::AcqRel) {
+            tokio::spawn(Arc::clone(c).attempt());
+        }
+        let _ = attempts.changed().await;
+        match c.conn.load_full() {
+            Some(conn) => Ok((*conn).clone()),
+            None => Err(c
+                .last_error
+                .lock()
+                .clone()
+                .unwrap_or_else(|| StoreError::Config("no connection to redis yet".into()))),
+        }
+    }
+
+    /// After an error: credentials refused on a live connection (the password was rotated)
+    /// drop it, so the next call reconnects with the current password file.
+    fn after_error(&self, e: &StoreError) {
+        if e.is_auth() {
+            self.connector.conn.store(None);
+        }
+        if !matches!(e, StoreError::Timeout(_) | StoreError::BreakerOpen) {
+            *self.connector.last_error.lock() = Some(e.clone());
+        }
+    }
+
+    /// The last error other than a timeout, since the last successful call (no secrets: Redis
+    /// errors and file paths only).
+    pub fn last_error(&self) -> Option<String> {
+        self.connector
+            .last_error
+            .lock()
+            .as_ref()
+            .map(ToString::to_string)
     }
 
     /// Name of the group hash a bucket lives in. The braces are a Redis Cluster hash tag; every
@@ -283,8 +648,12 @@ impl Store {
             Err(_) => Err(StoreError::Timeout(timeout)),
         };
         match &result {
-            Ok(_) => self.breaker.success(),
-            Err(_) => {
+            Ok(_) => {
+                self.breaker.success();
+                *self.connector.last_error.lock() = None;
+            }
+            Err(e) => {
+                self.after_error(e);
                 self.breaker.failure();
             }
         }
@@ -362,10 +731,14 @@ impl Store {
             });
             futures_util::future::try_join_all(calls).await
         };
-        match tokio::time::timeout(timeout, fut).await {
+        let result = match tokio::time::timeout(timeout, fut).await {
             Ok(r) => r,
             Err(_) => Err(StoreError::Timeout(timeout)),
+        };
+        if let Err(e) = &result {
+            self.after_error(e);
         }
+        result
     }
 }
 
@@ -391,6 +764,64 @@ mod tests {
         assert!(parse_lease_reply(&Array(vec![Int(1)])).is_err());
         assert!(parse_lease_reply(&Array(vec![Int(-1), Int(0), Int(0), Int(0), Int(0)])).is_err());
         assert!(parse_lease_reply(&Array(vec![Nil, Int(0), Int(0), Int(0), Int(0)])).is_err());
+    }
+
+    #[test]
+    fn urls_are_redacted() {
+        for (url, want) in [
+            ("redis://h:6379", "redis://h:6379"),
+            ("redis://:s3cret@h:6379/0", "redis://:***@h:6379/0"),
+            ("rediss://app:s3cret@h:6380", "rediss://app:***@h:6380"),
+            ("rediss://app@h:6380", "rediss://app@h:6380"),
+            // Unescaped separators in the password do not expose any part of it.
+            ("redis://u:p/a@ss#w@h:1", "redis://u:***@h:1"),
+            (
+                "redis://:a@h1:1, rediss://:b@h2:2",
+                "redis://:***@h1:1,rediss://:***@h2:2",
+            ),
+            ("not a url with pw@h", "<redacted>"),
+        ] {
+            assert_eq!(redact_url(url), want, "{url}");
+        }
+        let o = RedisOptions::new("rediss://u:hunter2@h:1", false);
+        assert!(!format!("{o:?}").contains("hunter2"));
+    }
+
+    #[test]
+    fn options_are_validated_without_leaking_the_url() {
+        let mut o = RedisOptions::new("redis://:hunter2@h:1", false);
+        o.validate().unwrap();
+        o.ca_file = Some("/ca.pem".into());
+        let e = o.validate().unwrap_err().to_string();
+        assert!(e.contains("--redis-ca-file needs a rediss:// URL"), "{e}");
+        o.url = "rediss://:hunter2@h:1/#insecure".into();
+        assert!(o.validate().is_err());
+        o.url = "rediss://:hunter2@h:1".into();
+        o.validate().unwrap();
+        o.client_cert_file = Some("/c.pem".into());
+        assert!(o.validate().is_err(), "cert without key");
+        let o = RedisOptions::new("http://:hunter2@h:1", false);
+        let e = o.validate().unwrap_err().to_string();
+        assert!(!e.contains("hunter2"), "{e}");
+        let o = RedisOptions::new("redis://a:1,rediss://b:2", true);
+        assert!(o.validate().is_err(), "mixed schemes");
+    }
+
+    #[test]
+    fn password_files_lose_one_trailing_newline() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pw");
+        let mut o = RedisOptions::new("redis://h:1", false);
+        o.password_file = Some(path.clone());
+        let e = o.password().unwrap_err();
+        assert_eq!(e.kind(), "config");
+        assert!(e.to_string().contains("--redis-password-file"), "{e}");
+        std::fs::write(&path, "p w\n\n").unwrap();
+        assert_eq!(o.password().unwrap().as_deref(), Some("p w\n"));
+        std::fs::write(&path, "pw\r\n").unwrap();
+        assert_eq!(o.password().unwrap().as_deref(), Some("pw"));
+        std::fs::write(&path, "\n").unwrap();
+        assert!(o.password().is_err(), "empty");
     }
 
     #[test]
