@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde_json::Value;
 use tollgate_controller::webhook::inject::{
-    self, InjectConfig, Outcome, RedisConfig, SecretKeyRef, Skip,
+    self, CaRef, InjectConfig, Outcome, RedisConfig, SecretKeyRef, Skip,
 };
 
 fn data(name: &str) -> PathBuf {
@@ -362,11 +362,16 @@ fn redis_password_from_a_secret_and_extra_args() {
     let mut cfg = InjectConfig::example();
     cfg.redis = Some(RedisConfig {
         url: "rediss://redis.tollgate-system.svc:6380".into(),
-        cluster: false,
+        username: Some("tollgate".into()),
         password: Some(SecretKeyRef {
             name: "tollgate-redis".into(),
             key: "password".into(),
         }),
+        ca: Some(CaRef::ConfigMap {
+            name: "redis-ca".into(),
+            key: "ca.crt".into(),
+        }),
+        ..RedisConfig::default()
     });
     cfg.extra_args = vec!["--log-format=text".into()];
     let (skip, pod) = case("redis-auth", false, &cfg);
@@ -385,27 +390,75 @@ fn redis_password_from_a_secret_and_extra_args() {
         [
             "TOLLGATE_POD_NAME",
             "TOLLGATE_POD_NAMESPACE",
-            "TOLLGATE_REDIS_PASSWORD",
-            "TOLLGATE_REDIS_URL"
-        ],
-        "the password is defined before the URL that expands it"
+            "TOLLGATE_REDIS_URL",
+            "TOLLGATE_REDIS_USERNAME",
+            "TOLLGATE_REDIS_PASSWORD_FILE",
+            "TOLLGATE_REDIS_CA_FILE",
+        ]
     );
-    let secret = env(c, "TOLLGATE_REDIS_PASSWORD")
-        .value_from
-        .as_ref()
-        .unwrap()
-        .secret_key_ref
-        .as_ref()
-        .unwrap();
-    assert_eq!(
-        (secret.name.as_str(), secret.key.as_str()),
-        ("tollgate-redis", "password")
+    // No secret in the pod spec: the password is a file from the Secret, and the URL has none.
+    assert!(
+        c.env
+            .as_ref()
+            .unwrap()
+            .iter()
+            .all(|e| e.value_from.is_none()
+                || e.value_from.as_ref().unwrap().secret_key_ref.is_none())
     );
-    assert_eq!(secret.optional, Some(true));
     assert_eq!(
         env(c, "TOLLGATE_REDIS_URL").value.as_deref(),
-        Some("rediss://:$(TOLLGATE_REDIS_PASSWORD)@redis.tollgate-system.svc:6380")
+        Some("rediss://redis.tollgate-system.svc:6380")
     );
+    assert_eq!(
+        env(c, "TOLLGATE_REDIS_PASSWORD_FILE").value.as_deref(),
+        Some("/var/run/secrets/tollgate-redis/auth/password")
+    );
+    let spec = pod.spec.as_ref().unwrap();
+    let volume = |name: &str| {
+        spec.volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == name)
+            .unwrap_or_else(|| panic!("volume {name}"))
+    };
+    let auth = volume("tollgate-redis-auth").secret.as_ref().unwrap();
+    assert_eq!(auth.secret_name.as_deref(), Some("tollgate-redis"));
+    assert_eq!(
+        auth.optional,
+        Some(true),
+        "a missing Secret must not block the pod"
+    );
+    let items = auth.items.as_ref().unwrap();
+    assert_eq!(
+        (items[0].key.as_str(), items[0].path.as_str()),
+        ("password", "password")
+    );
+    let ca = volume("tollgate-redis-ca").config_map.as_ref().unwrap();
+    assert_eq!(ca.name, "redis-ca");
+    assert_eq!(ca.optional, Some(true));
+    // Mounted read-only into the sidecar only; the app container does not see them.
+    let mounts = c.volume_mounts.as_ref().unwrap();
+    for (name, path) in [
+        (
+            "tollgate-redis-auth",
+            "/var/run/secrets/tollgate-redis/auth",
+        ),
+        ("tollgate-redis-ca", "/var/run/secrets/tollgate-redis/ca"),
+    ] {
+        let m = mounts.iter().find(|m| m.name == name).unwrap();
+        assert_eq!(m.mount_path, path);
+        assert_eq!(m.read_only, Some(true));
+    }
+    for app in &spec.containers {
+        assert!(
+            app.volume_mounts
+                .iter()
+                .flatten()
+                .all(|m| !m.name.starts_with("tollgate-redis")),
+            "{}",
+            app.name
+        );
+    }
     assert_eq!(
         args(c).last().map(String::as_str),
         Some("--log-format=text")

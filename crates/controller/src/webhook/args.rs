@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::Args;
 use k8s_openapi::api::core::v1::ResourceRequirements;
 
-use super::inject::{InjectConfig, RedisConfig, SecretKeyRef};
+use super::inject::{CaRef, InjectConfig, RedisConfig, SecretKeyRef};
 
 /// The default image of the injected sidecar (the chart always sets `--sidecar-image`).
 pub const DEFAULT_SIDECAR_IMAGE: &str = concat!(
@@ -144,8 +144,12 @@ pub struct WebhookArgs {
     #[arg(long, env = "TOLLGATE_SIDECAR_REDIS_CLUSTER")]
     pub sidecar_redis_cluster: bool,
 
-    /// Secret (in each application namespace) holding the Redis password; it is put into
-    /// the sidecar's Redis URL through `$(TOLLGATE_REDIS_PASSWORD)`.
+    /// Redis ACL user of the sidecars.
+    #[arg(long, env = "TOLLGATE_SIDECAR_REDIS_USERNAME")]
+    pub sidecar_redis_username: Option<String>,
+
+    /// Secret (in each application namespace) holding the Redis password; it is mounted
+    /// read-only into the sidecar only and read from the file (`--redis-password-file`).
     #[arg(long, env = "TOLLGATE_SIDECAR_REDIS_PASSWORD_SECRET")]
     pub sidecar_redis_password_secret: Option<String>,
 
@@ -156,6 +160,28 @@ pub struct WebhookArgs {
         default_value = "password"
     )]
     pub sidecar_redis_password_key: String,
+
+    /// Secret (in each application namespace) with the CA bundle Redis' certificate must chain
+    /// to (`--redis-ca-file`); needs rediss:// URLs.
+    #[arg(
+        long,
+        env = "TOLLGATE_SIDECAR_REDIS_CA_SECRET",
+        conflicts_with = "sidecar_redis_ca_configmap"
+    )]
+    pub sidecar_redis_ca_secret: Option<String>,
+
+    /// ConfigMap (in each application namespace) with that CA bundle, instead of a Secret.
+    #[arg(long, env = "TOLLGATE_SIDECAR_REDIS_CA_CONFIGMAP")]
+    pub sidecar_redis_ca_configmap: Option<String>,
+
+    /// Key of the CA bundle in that Secret or ConfigMap.
+    #[arg(long, env = "TOLLGATE_SIDECAR_REDIS_CA_KEY", default_value = "ca.crt")]
+    pub sidecar_redis_ca_key: String,
+
+    /// `kubernetes.io/tls` Secret (in each application namespace) with the sidecars' client
+    /// certificate, for Redis servers that require mutual TLS.
+    #[arg(long, env = "TOLLGATE_SIDECAR_REDIS_CLIENT_CERT_SECRET")]
+    pub sidecar_redis_client_cert_secret: Option<String>,
 
     /// Extra argument for the injected sidecar (repeatable), e.g. `--sidecar-arg=--log=debug`.
     #[arg(
@@ -183,13 +209,36 @@ impl WebhookArgs {
             Some(url) if !url.trim().is_empty() => Some(RedisConfig {
                 url: url.trim().to_string(),
                 cluster: self.sidecar_redis_cluster,
+                username: self
+                    .sidecar_redis_username
+                    .clone()
+                    .filter(|u| !u.is_empty()),
                 password: self
                     .sidecar_redis_password_secret
                     .as_ref()
+                    .filter(|n| !n.is_empty())
                     .map(|name| SecretKeyRef {
                         name: name.clone(),
                         key: self.sidecar_redis_password_key.clone(),
                     }),
+                ca: match (
+                    &self.sidecar_redis_ca_secret,
+                    &self.sidecar_redis_ca_configmap,
+                ) {
+                    (Some(name), _) if !name.is_empty() => Some(CaRef::Secret(SecretKeyRef {
+                        name: name.clone(),
+                        key: self.sidecar_redis_ca_key.clone(),
+                    })),
+                    (_, Some(name)) if !name.is_empty() => Some(CaRef::ConfigMap {
+                        name: name.clone(),
+                        key: self.sidecar_redis_ca_key.clone(),
+                    }),
+                    _ => None,
+                },
+                client_cert_secret: self
+                    .sidecar_redis_client_cert_secret
+                    .clone()
+                    .filter(|n| !n.is_empty()),
             }),
             _ => None,
         };
@@ -275,7 +324,42 @@ mod tests {
             "--sidecar-redis-password-secret=redis",
         ])
         .unwrap();
-        assert!(t.w.inject_config().is_err(), "two passwords");
+        assert!(t.w.inject_config().is_err(), "a password in the URL");
+        let t = T::try_parse_from([
+            "x",
+            "--sidecar-redis-url=redis://r:6379",
+            "--sidecar-redis-ca-configmap=ca",
+        ])
+        .unwrap();
+        assert!(t.w.inject_config().is_err(), "a CA without rediss://");
+        assert!(
+            T::try_parse_from([
+                "x",
+                "--sidecar-redis-ca-configmap=ca",
+                "--sidecar-redis-ca-secret=ca",
+            ])
+            .is_err(),
+            "one CA source"
+        );
+        let t = T::try_parse_from([
+            "x",
+            "--sidecar-redis-url=rediss://r:6380",
+            "--sidecar-redis-username=tollgate",
+            "--sidecar-redis-password-secret=redis",
+            "--sidecar-redis-ca-configmap=redis-ca",
+            "--sidecar-redis-client-cert-secret=redis-client",
+        ])
+        .unwrap();
+        let redis = t.w.inject_config().unwrap().redis.unwrap();
+        assert_eq!(
+            redis.ca,
+            Some(CaRef::ConfigMap {
+                name: "redis-ca".into(),
+                key: "ca.crt".into()
+            })
+        );
+        assert_eq!(redis.username.as_deref(), Some("tollgate"));
+        assert_eq!(redis.client_cert_secret.as_deref(), Some("redis-client"));
     }
 
     #[test]

@@ -16,10 +16,10 @@ use std::fmt;
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation, ReplaceOperation, TestOperation};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction,
-    ObjectFieldSelector, Pod, Probe, ProjectedVolumeSource, ResourceRequirements, SeccompProfile,
-    SecretKeySelector, SecurityContext, ServiceAccountTokenProjection, Volume, VolumeMount,
-    VolumeProjection,
+    Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EnvVar, EnvVarSource,
+    HTTPGetAction, KeyToPath, ObjectFieldSelector, Pod, Probe, ProjectedVolumeSource,
+    ResourceRequirements, SeccompProfile, SecretVolumeSource, SecurityContext,
+    ServiceAccountTokenProjection, Volume, VolumeMount, VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde_json::Value;
@@ -69,15 +69,22 @@ pub struct InjectConfig {
     pub extra_args: Vec<String>,
 }
 
-/// Redis settings passed to the sidecar.
-#[derive(Clone, Debug, PartialEq)]
+/// Redis settings passed to the sidecar. Secrets and certificates reach it as files from
+/// volumes in the pod's own namespace, never as environment values or arguments.
+#[derive(Clone, Debug, PartialEq, Default)]
 pub struct RedisConfig {
-    /// `redis://host:port` (or a comma-separated seed list with `cluster`), without password
-    /// when `password` is set.
+    /// `redis://host:port` or `rediss://host:port` (or a comma-separated seed list with
+    /// `cluster`), without a password.
     pub url: String,
     pub cluster: bool,
-    /// Secret in the pod's namespace holding the password.
+    /// Redis ACL user.
+    pub username: Option<String>,
+    /// Secret holding the password, mounted as a file (`--redis-password-file`).
     pub password: Option<SecretKeyRef>,
+    /// CA bundle the server certificate must chain to (`--redis-ca-file`).
+    pub ca: Option<CaRef>,
+    /// `kubernetes.io/tls` Secret (`tls.crt`, `tls.key`) for mutual TLS.
+    pub client_cert_secret: Option<String>,
 }
 
 /// A key of a Secret in the pod's own namespace.
@@ -86,6 +93,26 @@ pub struct SecretKeyRef {
     pub name: String,
     pub key: String,
 }
+
+/// Where the Redis CA bundle comes from (in the pod's own namespace).
+#[derive(Clone, Debug, PartialEq)]
+pub enum CaRef {
+    Secret(SecretKeyRef),
+    /// A ConfigMap (e.g. one distributed to every namespace by trust-manager).
+    ConfigMap {
+        name: String,
+        key: String,
+    },
+}
+
+/// Volume with the Redis password; mounted only into the sidecar.
+pub const REDIS_AUTH_VOLUME: &str = "tollgate-redis-auth";
+/// Volume with the Redis CA bundle.
+pub const REDIS_CA_VOLUME: &str = "tollgate-redis-ca";
+/// Volume with the Redis client certificate and key.
+pub const REDIS_CLIENT_VOLUME: &str = "tollgate-redis-client";
+/// Where the Redis volumes are mounted (`auth/password`, `ca/ca.crt`, `client/tls.{crt,key}`).
+pub const REDIS_DIR: &str = "/var/run/secrets/tollgate-redis";
 
 impl InjectConfig {
     /// Rejects settings that would produce broken pods.
@@ -132,9 +159,9 @@ impl InjectConfig {
 }
 
 impl RedisConfig {
-    /// The value of `TOLLGATE_REDIS_URL`: the URL(s) with `$(TOLLGATE_REDIS_PASSWORD)` as the
-    /// password when a password Secret is configured (Kubernetes expands it from the env var
-    /// defined just before).
+    /// The value of `TOLLGATE_REDIS_URL`: the URL(s), checked. A password belongs in a
+    /// Secret (`password`), not in the URL, which ends up in the pod spec for everyone who can
+    /// read pods; messages never repeat a URL that has one.
     pub fn url_env(&self) -> anyhow::Result<String> {
         let urls: Vec<&str> = if self.cluster {
             self.url.split(',').map(str::trim).collect()
@@ -144,35 +171,144 @@ impl RedisConfig {
         let mut out = Vec::with_capacity(urls.len());
         for url in urls {
             let Some((scheme, rest)) = url.split_once("://") else {
-                anyhow::bail!("Redis URL {url:?} has no scheme (redis:// or rediss://)");
+                anyhow::bail!("a Redis URL has no scheme (redis:// or rediss://)");
             };
             anyhow::ensure!(
                 scheme == "redis" || scheme == "rediss",
-                "Redis URL {url:?} must start with redis:// or rediss://"
+                "a Redis URL must start with redis:// or rediss://, not {scheme}://"
             );
-            if self.password.is_none() {
-                out.push(url.to_string());
-                continue;
-            }
-            let end = rest.find('/').unwrap_or(rest.len());
-            let (authority, path) = rest.split_at(end);
-            let (user, host) = match authority.rsplit_once('@') {
-                Some((user, host)) => (user, host),
-                None => ("", authority),
-            };
+            let userinfo = rest.rsplit_once('@').map_or("", |(u, _)| u);
             anyhow::ensure!(
-                !user.contains(':'),
-                "Redis URL {url:?} already contains a password; drop it or the password Secret"
+                !userinfo.contains(':'),
+                "a Redis URL contains a password; put it in a Secret \
+                 (--sidecar-redis-password-secret, chart value redis.auth.secretName) instead"
             );
-            out.push(format!(
-                "{scheme}://{user}:$({REDIS_PASSWORD_ENV})@{host}{path}"
-            ));
+            anyhow::ensure!(
+                scheme == "rediss" || (self.ca.is_none() && self.client_cert_secret.is_none()),
+                "a Redis CA or client certificate needs rediss:// URLs (redis.tls.enabled)"
+            );
+            out.push(url.to_string());
         }
         Ok(out.join(","))
     }
-}
 
-const REDIS_PASSWORD_ENV: &str = "TOLLGATE_REDIS_PASSWORD";
+    /// The sidecar's environment for Redis (`TOLLGATE_REDIS_*`, each also a sidecar flag).
+    fn env(&self) -> Vec<EnvVar> {
+        let var = |name: &str, value: String| EnvVar {
+            name: name.to_string(),
+            value: Some(value),
+            ..Default::default()
+        };
+        let mut env = vec![var(
+            "TOLLGATE_REDIS_URL",
+            self.url_env().unwrap_or_else(|_| self.url.clone()),
+        )];
+        if self.cluster {
+            env.push(var("TOLLGATE_REDIS_CLUSTER", "true".into()));
+        }
+        if let Some(user) = &self.username {
+            env.push(var("TOLLGATE_REDIS_USERNAME", user.clone()));
+        }
+        if self.password.is_some() {
+            env.push(var(
+                "TOLLGATE_REDIS_PASSWORD_FILE",
+                format!("{REDIS_DIR}/auth/password"),
+            ));
+        }
+        if self.ca.is_some() {
+            env.push(var(
+                "TOLLGATE_REDIS_CA_FILE",
+                format!("{REDIS_DIR}/ca/ca.crt"),
+            ));
+        }
+        if self.client_cert_secret.is_some() {
+            env.push(var(
+                "TOLLGATE_REDIS_CLIENT_CERT_FILE",
+                format!("{REDIS_DIR}/client/tls.crt"),
+            ));
+            env.push(var(
+                "TOLLGATE_REDIS_CLIENT_KEY_FILE",
+                format!("{REDIS_DIR}/client/tls.key"),
+            ));
+        }
+        env
+    }
+
+    /// Read-only mounts of the Redis volumes into the sidecar.
+    fn mounts(&self) -> Vec<VolumeMount> {
+        let mount = |name: &str, dir: &str| VolumeMount {
+            name: name.to_string(),
+            mount_path: format!("{REDIS_DIR}/{dir}"),
+            read_only: Some(true),
+            ..Default::default()
+        };
+        let mut m = Vec::new();
+        if self.password.is_some() {
+            m.push(mount(REDIS_AUTH_VOLUME, "auth"));
+        }
+        if self.ca.is_some() {
+            m.push(mount(REDIS_CA_VOLUME, "ca"));
+        }
+        if self.client_cert_secret.is_some() {
+            m.push(mount(REDIS_CLIENT_VOLUME, "client"));
+        }
+        m
+    }
+
+    /// The Redis volumes. All are `optional`: a Secret or ConfigMap missing from the pod's
+    /// namespace must not keep the app from starting. The sidecar then cannot authenticate
+    /// (or verify the server) and each rule's failureMode applies; it never falls back to no
+    /// password or to the system roots.
+    fn volumes(&self) -> Vec<Volume> {
+        let items = |key: &str, path: &str| {
+            Some(vec![KeyToPath {
+                key: key.to_string(),
+                path: path.to_string(),
+                ..Default::default()
+            }])
+        };
+        let secret = |name: &str, items: Option<Vec<KeyToPath>>| SecretVolumeSource {
+            secret_name: Some(name.to_string()),
+            items,
+            optional: Some(true),
+            ..Default::default()
+        };
+        let mut v = Vec::new();
+        if let Some(p) = &self.password {
+            v.push(Volume {
+                name: REDIS_AUTH_VOLUME.to_string(),
+                secret: Some(secret(&p.name, items(&p.key, "password"))),
+                ..Default::default()
+            });
+        }
+        match &self.ca {
+            Some(CaRef::Secret(s)) => v.push(Volume {
+                name: REDIS_CA_VOLUME.to_string(),
+                secret: Some(secret(&s.name, items(&s.key, "ca.crt"))),
+                ..Default::default()
+            }),
+            Some(CaRef::ConfigMap { name, key }) => v.push(Volume {
+                name: REDIS_CA_VOLUME.to_string(),
+                config_map: Some(ConfigMapVolumeSource {
+                    name: name.clone(),
+                    items: items(key, "ca.crt"),
+                    optional: Some(true),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            None => {}
+        }
+        if let Some(name) = &self.client_cert_secret {
+            v.push(Volume {
+                name: REDIS_CLIENT_VOLUME.to_string(),
+                secret: Some(secret(name, None)),
+                ..Default::default()
+            });
+        }
+        v
+    }
+}
 
 // === decisions ===
 
@@ -453,36 +589,15 @@ pub fn sidecar_container(cfg: &InjectConfig, plan: &Plan) -> Container {
         field_env("TOLLGATE_POD_NAME", "metadata.name"),
         field_env("TOLLGATE_POD_NAMESPACE", "metadata.namespace"),
     ];
+    let mut mounts = vec![VolumeMount {
+        name: TOKEN_VOLUME.to_string(),
+        mount_path: TOKEN_DIR.to_string(),
+        read_only: Some(true),
+        ..Default::default()
+    }];
     if let Some(redis) = &cfg.redis {
-        if let Some(secret) = &redis.password {
-            // Must come before TOLLGATE_REDIS_URL, which refers to it.
-            env.push(EnvVar {
-                name: REDIS_PASSWORD_ENV.to_string(),
-                value_from: Some(EnvVarSource {
-                    secret_key_ref: Some(SecretKeySelector {
-                        name: secret.name.clone(),
-                        key: secret.key.clone(),
-                        // A missing Secret must not keep the pod from starting; the sidecar
-                        // then fails to authenticate and each rule's failureMode applies.
-                        optional: Some(true),
-                    }),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            });
-        }
-        env.push(EnvVar {
-            name: "TOLLGATE_REDIS_URL".to_string(),
-            value: Some(redis.url_env().unwrap_or_else(|_| redis.url.clone())),
-            ..Default::default()
-        });
-        if redis.cluster {
-            env.push(EnvVar {
-                name: "TOLLGATE_REDIS_CLUSTER".to_string(),
-                value: Some("true".to_string()),
-                ..Default::default()
-            });
-        }
+        env.extend(redis.env());
+        mounts.extend(redis.mounts());
     }
 
     let probe = |path: &str, period: i32, failures: i32| Probe {
@@ -544,12 +659,7 @@ pub fn sidecar_container(cfg: &InjectConfig, plan: &Plan) -> Container {
         startup_probe: Some(probe("/healthz", 1, 60)),
         liveness_probe: Some(probe("/healthz", 10, 3)),
         readiness_probe: Some(probe("/readyz", 5, 3)),
-        volume_mounts: Some(vec![VolumeMount {
-            name: TOKEN_VOLUME.to_string(),
-            mount_path: TOKEN_DIR.to_string(),
-            read_only: Some(true),
-            ..Default::default()
-        }]),
+        volume_mounts: Some(mounts),
         termination_message_policy: Some("FallbackToLogsOnError".to_string()),
         ..Default::default()
     }
@@ -684,11 +794,20 @@ pub fn patch(raw: &Value, pod: &Pod, cfg: &InjectConfig, plan: &Plan) -> Patch {
             Value::Array(vec![sidecar]),
         ));
     }
-    let volume = serde_json::to_value(token_volume(cfg)).expect("volume to JSON");
+    let mut volumes = vec![token_volume(cfg)];
+    if let Some(redis) = &cfg.redis {
+        volumes.extend(redis.volumes());
+    }
+    let volumes: Vec<Value> = volumes
+        .iter()
+        .map(|v| serde_json::to_value(v).expect("volume to JSON"))
+        .collect();
     if present("/spec/volumes") {
-        ops.push(add(ptr(["spec", "volumes", "-"]), volume));
+        for v in volumes {
+            ops.push(add(ptr(["spec", "volumes", "-"]), v));
+        }
     } else {
-        ops.push(add(ptr(["spec", "volumes"]), Value::Array(vec![volume])));
+        ops.push(add(ptr(["spec", "volumes"]), Value::Array(volumes)));
     }
     Patch(ops)
 }
@@ -806,36 +925,80 @@ mod tests {
     }
 
     #[test]
-    fn redis_urls_get_the_password_placeholder() {
+    fn redis_urls_are_checked_and_never_carry_a_password() {
         let mut r = RedisConfig {
             url: "redis://redis.db:6379/0".into(),
-            cluster: false,
             password: Some(SecretKeyRef {
                 name: "redis".into(),
                 key: "password".into(),
             }),
+            ..RedisConfig::default()
         };
-        assert_eq!(
-            r.url_env().unwrap(),
-            "redis://:$(TOLLGATE_REDIS_PASSWORD)@redis.db:6379/0"
-        );
+        assert_eq!(r.url_env().unwrap(), "redis://redis.db:6379/0");
         r.url = "rediss://tenant@redis.db:6380".into();
-        assert_eq!(
-            r.url_env().unwrap(),
-            "rediss://tenant:$(TOLLGATE_REDIS_PASSWORD)@redis.db:6380"
-        );
+        assert_eq!(r.url_env().unwrap(), "rediss://tenant@redis.db:6380");
         r.url = "redis://a:1, redis://b:2".into();
         r.cluster = true;
-        assert_eq!(
-            r.url_env().unwrap(),
-            "redis://:$(TOLLGATE_REDIS_PASSWORD)@a:1,redis://:$(TOLLGATE_REDIS_PASSWORD)@b:2"
-        );
+        assert_eq!(r.url_env().unwrap(), "redis://a:1,redis://b:2");
         r.url = "http://x".into();
         assert!(r.url_env().is_err());
-        r.url = "redis://u:p@x".into();
-        assert!(r.url_env().is_err());
-        r.password = None;
-        assert_eq!(r.url_env().unwrap(), "redis://u:p@x");
+        for url in ["redis://u:hunter2@x", "redis://:hunter2@x"] {
+            r.url = url.into();
+            let e = r.url_env().unwrap_err().to_string();
+            assert!(e.contains("put it in a Secret"), "{e}");
+            assert!(!e.contains("hunter2"), "{e}");
+        }
+        r.url = "redis://x:1".into();
+        r.ca = Some(CaRef::ConfigMap {
+            name: "ca".into(),
+            key: "ca.crt".into(),
+        });
+        assert!(r.url_env().is_err(), "a CA needs rediss://");
+        r.url = "rediss://x:1".into();
+        assert!(r.url_env().is_ok());
+    }
+
+    #[test]
+    fn redis_secrets_are_files_from_optional_volumes() {
+        let r = RedisConfig {
+            url: "rediss://r:6380".into(),
+            username: Some("tollgate".into()),
+            password: Some(SecretKeyRef {
+                name: "redis".into(),
+                key: "pw".into(),
+            }),
+            ca: Some(CaRef::Secret(SecretKeyRef {
+                name: "redis-ca".into(),
+                key: "ca.pem".into(),
+            })),
+            client_cert_secret: Some("redis-client".into()),
+            ..RedisConfig::default()
+        };
+        let env: Vec<(String, String)> = r
+            .env()
+            .into_iter()
+            .map(|e| (e.name, e.value.unwrap_or_default()))
+            .collect();
+        assert!(env.iter().all(|(n, _)| n != "TOLLGATE_REDIS_PASSWORD"));
+        assert!(env.contains(&(
+            "TOLLGATE_REDIS_PASSWORD_FILE".into(),
+            "/var/run/secrets/tollgate-redis/auth/password".into()
+        )));
+        assert!(env.contains(&(
+            "TOLLGATE_REDIS_CA_FILE".into(),
+            "/var/run/secrets/tollgate-redis/ca/ca.crt".into()
+        )));
+        let volumes = r.volumes();
+        assert_eq!(volumes.len(), 3);
+        for v in &volumes {
+            let optional = v
+                .secret
+                .as_ref()
+                .and_then(|s| s.optional)
+                .or(v.config_map.as_ref().and_then(|c| c.optional));
+            assert_eq!(optional, Some(true), "{}", v.name);
+        }
+        assert!(r.mounts().iter().all(|m| m.read_only == Some(true)));
     }
 
     #[test]
