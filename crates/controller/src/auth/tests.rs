@@ -174,3 +174,109 @@ async fn token_review_api_errors_are_unavailable() {
     let (res, ()) = tokio::join!(auth.authenticate("tok"), answer);
     assert!(matches!(res, Err(AuthError::Unavailable(_))), "{res:?}");
 }
+
+/// Answers one TokenReview with `status`, returning what was sent.
+async fn answer_with(handle: &mut Handle, status: serde_json::Value) -> serde_json::Value {
+    let (req, send) = tokio::time::timeout(Duration::from_secs(5), handle.next_request())
+        .await
+        .expect("a TokenReview request")
+        .expect("service alive");
+    let body = req.into_body().collect().await.unwrap().to_bytes();
+    let sent: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let mut reply = sent.clone();
+    reply["status"] = status;
+    send.send_response(
+        Response::builder()
+            .status(201)
+            .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+            .unwrap(),
+    );
+    sent
+}
+
+/// What the API server answers for a token signed by a key it does not know, and for a token
+/// whose `exp` has passed (tests/e2e/tests/security.rs sends both to a real API server).
+#[tokio::test]
+async fn forged_and_expired_tokens_are_rejected_and_not_retried_at_once() {
+    let (client, mut handle) = mock_client();
+    let auth = TokenReviewAuthenticator::new(client, vec!["tollgate".into()], DEFAULT_CACHE_TTL);
+    for (token, error) in [
+        (
+            "forged.jwt.sig",
+            "[invalid bearer token, square/go-jose: error in cryptographic primitive]",
+        ),
+        (
+            "expired.jwt.sig",
+            "[invalid bearer token, service account token has expired]",
+        ),
+    ] {
+        let (res, sent) = tokio::join!(
+            auth.authenticate(token),
+            answer_with(
+                &mut handle,
+                serde_json::json!({"authenticated": false, "error": error})
+            )
+        );
+        assert_eq!(sent["spec"]["token"], token);
+        match res {
+            Err(AuthError::Unauthenticated(why)) => assert_eq!(why, error),
+            other => panic!("{token}: {other:?}"),
+        }
+        // Remembered briefly: a sidecar retrying a bad token does not cost a review each time.
+        assert!(matches!(
+            auth.authenticate(token).await,
+            Err(AuthError::Unauthenticated(_))
+        ));
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), handle.next_request())
+                .await
+                .is_err(),
+            "a rejected token is not reviewed again at once"
+        );
+    }
+}
+
+/// The audience is checked here too, not only by the API server: a token the API server
+/// accepts for another audience (e.g. one meant for a different service) is refused.
+#[tokio::test]
+async fn tokens_for_another_audience_are_rejected() {
+    let (client, mut handle) = mock_client();
+    let auth = TokenReviewAuthenticator::new(client, vec!["tollgate".into()], DEFAULT_CACHE_TTL);
+    let (res, _) = tokio::join!(
+        auth.authenticate("other-audience"),
+        answer_with(
+            &mut handle,
+            serde_json::json!({
+                "authenticated": true,
+                "audiences": ["vault"],
+                "user": {"username": "system:serviceaccount:shop:api"}
+            })
+        )
+    );
+    match res {
+        Err(AuthError::Unauthenticated(why)) => assert!(why.contains("audience"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A valid token of a user that is not a service account (a person's token, a node) may not
+/// stream rules for any pod.
+#[tokio::test]
+async fn authenticated_non_service_accounts_are_not_sidecars() {
+    let (client, mut handle) = mock_client();
+    let auth = TokenReviewAuthenticator::new(client, vec![], DEFAULT_CACHE_TTL);
+    let (res, _) = tokio::join!(
+        auth.authenticate("node-token"),
+        answer_with(
+            &mut handle,
+            serde_json::json!({
+                "authenticated": true,
+                "user": {"username": "system:node:worker-1", "groups": ["system:nodes"]}
+            })
+        )
+    );
+    let id = res.unwrap();
+    assert_eq!(id.namespace, None);
+    let err = authorize(&id, "shop", "api-1").unwrap_err();
+    assert!(err.contains("not a service account"), "{err}");
+}
