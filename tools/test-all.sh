@@ -8,11 +8,13 @@ cd "$(dirname "$0")/.."
 log() { printf '\n==> %s\n' "$*" >&2; }
 
 # Debian packages the tests use as real parts (redis-server for the global limiter tests,
-# openssl for test PKI, curl for smoke checks).
+# openssl for test PKI, curl for smoke checks, valgrind to count the sidecar's instructions per
+# admitted and rejected request).
 need_pkgs=()
 command -v redis-server >/dev/null || need_pkgs+=(redis-server)
 command -v openssl >/dev/null || need_pkgs+=(openssl)
 command -v curl >/dev/null || need_pkgs+=(curl)
+command -v valgrind >/dev/null || need_pkgs+=(valgrind)
 if ((${#need_pkgs[@]})); then
   log "installing ${need_pkgs[*]}"
   SUDO=""
