@@ -313,7 +313,7 @@ fn install_yaml_is_exactly_helm_template_output() {
 fn helm_lint_passes_with_default_and_full_values() {
     for set in [
         "",
-        "replicas=2,networkPolicy.enabled=true,serviceMonitor.enabled=true,redis.dev.enabled=true",
+        "replicas=3,networkPolicy.enabled=true,serviceMonitor.enabled=true,redis.dev.enabled=true,tracing.otlpEndpoint=http://otel:4318",
         "certManager.enabled=true,controller.watchNamespaces={a,b},redis.url=rediss://r:6380,redis.auth.secretName=redis",
     ] {
         let mut args = vec!["lint", CHART, "--strict"];
@@ -334,6 +334,10 @@ fn helm_lint_passes_with_default_and_full_values() {
 fn bad_values_fail_with_the_path_and_the_reason() {
     let cases: &[(&str, &[&str])] = &[
         ("replicas=0", &["/replicas", "minimum"]),
+        (
+            "tracing.otlpEndpoint=otel:4318",
+            &["/tracing/otlpEndpoint", "does not match pattern"],
+        ),
         (
             "webhook.failurePolicy=Sometimes",
             &["/webhook/failurePolicy", "'Ignore', 'Fail'"],
