@@ -48,6 +48,11 @@ mkdir -p target
 cargo test --workspace --locked --no-fail-fast 2>&1 | tee target/test-output.log
 status=${PIPESTATUS[0]}
 
+log "fuzz corpus replay (fuzz/ is its own workspace; stable toolchain, no libFuzzer)"
+fuzz_status=0
+cargo test --manifest-path fuzz/Cargo.toml --locked 2>&1 | tee -a target/test-output.log || fuzz_status=$?
+[ "$fuzz_status" = 0 ] || status=$fuzz_status
+
 log "summary"
 grep -E '^test result:|FAILED|panicked' target/test-output.log | grep -E 'test result|FAILED|panicked' | awk '
   /test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /passed;/) p += $(i-1); if ($i ~ /failed;/) f += $(i-1); if ($i ~ /ignored;/) ig += $(i-1) } }
