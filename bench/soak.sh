@@ -6,7 +6,8 @@
 #
 #   bench/soak.sh              10 minutes, release build
 #   bench/soak.sh 1800         30 minutes
-#   PROFILE=debug bench/soak.sh 60    the CI version (also: cargo test -p tollgate-sidecar --test soak)
+#   PROFILE=debug bench/soak.sh 60    a short debug run (CI runs `cargo test -p tollgate-sidecar
+#                                     --test soak`: 60 s, an edit every 15 s, a sample every 2 s)
 #
 # It runs the Rust test crates/sidecar/tests/soak.rs (one implementation for CI and bench) and
 # writes bench/results/soak-<date>.md. Knobs: RATE (req/s over the 3 sidecars, default 300),
