@@ -860,8 +860,10 @@ impl Index {
                 }
                 if p.compiled.is_some() {
                     // This replica's streams only, so `sum` over replicas is the fleet.
-                    s.connected
-                        .insert(format!("{ns_name}/{name}"), sync_counts(&ns.pods, None, name, 0).0);
+                    s.connected.insert(
+                        format!("{ns_name}/{name}"),
+                        sync_counts(&ns.pods, None, name, 0).0,
+                    );
                 }
             }
         }
@@ -901,7 +903,9 @@ impl Index {
         let counts = crate::membership::count_members(
             ns.pods
                 .iter()
-                .filter(|(name, p)| p.connections > 0 || remote.is_some_and(|r| r.contains_key(*name)))
+                .filter(|(name, p)| {
+                    p.connections > 0 || remote.is_some_and(|r| r.contains_key(*name))
+                })
                 .map(|(_, p)| p.policies.iter().map(|(c, _)| c.name.as_str())),
         );
         for pod in ns.pods.values() {

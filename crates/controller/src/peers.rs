@@ -26,8 +26,8 @@ use futures_util::StreamExt;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
-use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -201,7 +201,9 @@ pub async fn publish(
     .await;
     match deleted {
         Ok(Ok(_)) => tracing::debug!(lease = %name, "membership lease deleted"),
-        Ok(Err(error)) => tracing::debug!(%error, lease = %name, "cannot delete the membership lease"),
+        Ok(Err(error)) => {
+            tracing::debug!(%error, lease = %name, "cannot delete the membership lease")
+        }
         Err(_) => tracing::debug!(lease = %name, "deleting the membership lease timed out"),
     }
 }

@@ -15,8 +15,8 @@
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::process::Command;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use tollgate_e2e::{ControlPlane, Proc, free_port, redis_server, repo_root, workspace_bin};
@@ -306,32 +306,44 @@ fn two_replicas_share_membership_status_and_the_global_limit() {
     };
     let a = fleet.replica("ctrl-a", port_a);
     let mut b = fleet.replica("ctrl-b", port_b);
-    wait("each replica to see the other", Duration::from_secs(15), || {
-        peers(&fleet.client, &a) == 1 && peers(&fleet.client, &b) == 1
-    });
+    wait(
+        "each replica to see the other",
+        Duration::from_secs(15),
+        || peers(&fleet.client, &a) == 1 && peers(&fleet.client, &b) == 1,
+    );
 
     for i in 0..4 {
         fleet.sidecar(i);
     }
     // The balancer spreads the four streams over both replicas...
-    wait("4 streams over two replicas", Duration::from_secs(20), || {
-        let (ca, cb) = (connected(&fleet.client, &a), connected(&fleet.client, &b));
-        ca + cb == 4 && ca > 0 && cb > 0
-    });
+    wait(
+        "4 streams over two replicas",
+        Duration::from_secs(20),
+        || {
+            let (ca, cb) = (connected(&fleet.client, &a), connected(&fleet.client, &b));
+            ca + cb == 4 && ca > 0 && cb > 0
+        },
+    );
     eprintln!(
         "streams: {} on ctrl-a, {} on ctrl-b",
         connected(&fleet.client, &a),
         connected(&fleet.client, &b)
     );
     // ...yet every sidecar is told the fleet-wide count,
-    wait("every sidecar to count 4 members", Duration::from_secs(20), || {
-        fleet.members_seen() == [4, 4, 4, 4]
-    });
+    wait(
+        "every sidecar to count 4 members",
+        Duration::from_secs(20),
+        || fleet.members_seen() == [4, 4, 4, 4],
+    );
     // and the leader's status counts every sidecar in sync (acks reached the right replica).
-    wait("status: 4 sidecars, 4 in sync, Programmed", Duration::from_secs(30), || {
-        fleet.status("{.status.sidecarsTotal}/{.status.sidecarsInSync}") == "4/4"
-            && fleet.status("{.status.conditions[?(@.type==\"Programmed\")].status}") == "True"
-    });
+    wait(
+        "status: 4 sidecars, 4 in sync, Programmed",
+        Duration::from_secs(30),
+        || {
+            fleet.status("{.status.sidecarsTotal}/{.status.sidecarsInSync}") == "4/4"
+                && fleet.status("{.status.conditions[?(@.type==\"Programmed\")].status}") == "True"
+        },
+    );
 
     // The global limit (40/min) holds across the four sidecars on two replicas.
     let admitted = Arc::new(AtomicU64::new(0));
@@ -392,16 +404,20 @@ fn two_replicas_share_membership_status_and_the_global_limit() {
         "ctrl-b stopped: dropped by ctrl-a after {left:?}; its {moved} sidecars back on ctrl-a after {:?}",
         t0.elapsed()
     );
-    wait("every sidecar to count 5 again", Duration::from_secs(20), || {
-        fleet.members_seen().iter().all(|n| *n == 5)
-    });
+    wait(
+        "every sidecar to count 5 again",
+        Duration::from_secs(20),
+        || fleet.members_seen().iter().all(|n| *n == 5),
+    );
 
     // ctrl-b comes back; a sixth sidecar lands on it; then ctrl-b is killed outright (no
     // cleanup): ctrl-a forgets it once its Lease has gone unrenewed for the lease duration.
     b = fleet.replica("ctrl-b", port_b);
-    wait("ctrl-a to see ctrl-b again", Duration::from_secs(15), || {
-        peers(&fleet.client, &a) == 1
-    });
+    wait(
+        "ctrl-a to see ctrl-b again",
+        Duration::from_secs(15),
+        || peers(&fleet.client, &a) == 1,
+    );
     fleet.sidecar(5);
     wait("6 streams", Duration::from_secs(20), || {
         connected(&fleet.client, &a) + connected(&fleet.client, &b) == 6
@@ -414,11 +430,19 @@ fn two_replicas_share_membership_status_and_the_global_limit() {
         || peers(&fleet.client, &a) == 0,
     );
     eprintln!("ctrl-b killed: forgotten by ctrl-a after {expired:?} (lease {LEASE_SECONDS}s)");
-    assert!(expired >= Duration::from_secs(LEASE_SECONDS - 2), "{expired:?}");
-    wait("all 6 sidecars on ctrl-a, each counting 6", Duration::from_secs(25), || {
-        connected(&fleet.client, &a) == 6 && fleet.members_seen().iter().all(|n| *n == 6)
-    });
-    eprintln!("after the kill: all 6 sidecars on ctrl-a after {:?}", t0.elapsed());
+    assert!(
+        expired >= Duration::from_secs(LEASE_SECONDS - 2),
+        "{expired:?}"
+    );
+    wait(
+        "all 6 sidecars on ctrl-a, each counting 6",
+        Duration::from_secs(25),
+        || connected(&fleet.client, &a) == 6 && fleet.members_seen().iter().all(|n| *n == 6),
+    );
+    eprintln!(
+        "after the kill: all 6 sidecars on ctrl-a after {:?}",
+        t0.elapsed()
+    );
     wait("status: 6/6 in sync", Duration::from_secs(30), || {
         fleet.status("{.status.sidecarsTotal}/{.status.sidecarsInSync}") == "6/6"
     });

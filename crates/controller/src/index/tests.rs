@@ -443,7 +443,10 @@ fn reports_of_other_replicas_join_counts_and_status() {
     // Nothing acknowledged yet: both pods are members, neither is in sync.
     assert!(a.set_report("b", b.membership_report()));
     assert!(b.set_report("a", a.membership_report()));
-    assert!(!a.set_report("b", b.membership_report()), "same report: no-op");
+    assert!(
+        !a.set_report("b", b.membership_report()),
+        "same report: no-op"
+    );
     assert_eq!(on_a.rx.borrow().members["shop/limits"], 2);
     assert_eq!(on_b.rx.borrow().members["shop/limits"], 2);
     let view = a.policy_view("shop", "limits").unwrap();
