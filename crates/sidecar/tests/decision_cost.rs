@@ -69,11 +69,9 @@ impl Valgrind {
             let mut tx = Some(tx);
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
-                let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
-                if v["message"] == "tollgate-sidecar started"
+                if let Some((listen, _admin)) = started_line(&line)
                     && let Some(tx) = tx.take()
                 {
-                    let listen: SocketAddr = v["listen"].as_str().unwrap_or("").parse().unwrap();
                     let _ = tx.send(listen);
                 }
             }

@@ -18,8 +18,6 @@
 
 mod common;
 
-use std::net::TcpListener as StdListener;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -35,6 +33,8 @@ const BURST: f64 = 30.0;
 /// Offered load per rule (paced, open loop): twice the limit, so the bucket stays drained and
 /// every admission is accounted for.
 const OFFERED: f64 = 120.0;
+/// The hot key of each rule at the offered load: the streams of most cells.
+const HOT: [(Mode, bool, f64); 2] = [(Mode::Open, false, OFFERED), (Mode::Closed, false, OFFERED)];
 /// No request may take longer than this (a hung request would take the client's 5 s timeout).
 const HANG: Duration = Duration::from_secs(1);
 /// `--redis-timeout` of the slow-Redis cell: tight next to the injected 50 ms, loose enough that
@@ -58,141 +58,6 @@ const DRY_FRACTION: f64 = 0.08;
 const WARM_UP: Duration = Duration::from_secs(1);
 /// Timing slack in tokens for counts over a window (requests decided around its edges).
 const SLACK: f64 = 5.0;
-
-// ---------------------------------------------------------------------------------------------
-// Redis and the delaying relay (same patterns as tests/global.rs)
-
-/// A `redis-server` child on a loopback port, killed (by PID) when dropped.
-struct Redis {
-    child: Option<Child>,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl Redis {
-    fn start() -> Redis {
-        let port = StdListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("free port");
-        Redis::start_on(port)
-    }
-
-    fn start_on(port: u16) -> Redis {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot start redis-server ({e}); install it with `apt-get install redis-server` \
-                     (./tools/test-all.sh does this)"
-                )
-            });
-        let r = Redis {
-            child: Some(child),
-            port,
-            _dir: dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while r.cli(&["PING"]).trim() != "PONG" {
-            assert!(
-                Instant::now() < deadline,
-                "redis-server did not answer PING"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        r
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    fn cli(&self, args: &[&str]) -> String {
-        Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default()
-    }
-
-    /// SIGKILL (no chance to persist or close connections cleanly).
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// A TCP relay on loopback that delays every chunk by `delay_ms` (changeable while running) in
-/// both directions.
-async fn delaying_relay(
-    target: u16,
-    delay_ms: Arc<AtomicU64>,
-) -> (u16, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind relay");
-    let port = listener.local_addr().expect("addr").port();
-    let task = tokio::spawn(async move {
-        loop {
-            let Ok((inbound, _)) = listener.accept().await else {
-                return;
-            };
-            let delay = delay_ms.clone();
-            tokio::spawn(async move {
-                let Ok(outbound) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
-                else {
-                    return;
-                };
-                let (ri, wi) = inbound.into_split();
-                let (ro, wo) = outbound.into_split();
-                tokio::spawn(pump(ri, wo, delay.clone()));
-                tokio::spawn(pump(ro, wi, delay));
-            });
-        }
-    });
-    (port, task)
-}
-
-async fn pump(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    delay_ms: Arc<AtomicU64>,
-) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Duration, Vec<u8>)>();
-    let writer = tokio::spawn(async move {
-        while let Some((at, delay, data)) = rx.recv().await {
-            tokio::time::sleep_until((at + delay).into()).await;
-            if to.write_all(&data).await.is_err() {
-                return;
-            }
-        }
-    });
-    let mut buf = vec![0u8; 16 * 1024];
-    while let Ok(n) = from.read(&mut buf).await {
-        let delay = Duration::from_millis(delay_ms.load(Ordering::Relaxed));
-        if n == 0 || tx.send((Instant::now(), delay, buf[..n].to_vec())).is_err() {
-            break;
-        }
-    }
-    drop(tx);
-    let _ = writer.await;
-}
 
 // ---------------------------------------------------------------------------------------------
 // The fleet: sidecars enforcing the two-rule policy
@@ -237,6 +102,18 @@ impl Fleet {
             f.add().await;
         }
         f
+    }
+
+    /// The start of every cell: three sidecars counting each other, under paced load.
+    async fn loaded(
+        redis_url: String,
+        redis_timeout: &'static str,
+        streams: &[(Mode, bool, f64)],
+    ) -> (Fleet, Load) {
+        let fleet = Fleet::start(3, redis_url, redis_timeout).await;
+        fleet.wait_members(3, Duration::from_secs(10)).await;
+        let load = Load::start(fleet.targets(), streams);
+        (fleet, load)
     }
 
     async fn add(&mut self) -> usize {
@@ -687,6 +564,14 @@ fn assert_leasing(v: &View, mode: Mode, what: &str) {
     );
 }
 
+/// The restarted (empty) Redis holds buckets again: the sidecars reloaded their scripts.
+fn assert_buckets(redis: &Redis) {
+    assert!(
+        redis.cli(&["DBSIZE"]).trim().parse::<u64>().unwrap_or(0) >= 1,
+        "no buckets in the restarted Redis"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // The cells
 
@@ -697,9 +582,7 @@ async fn redis_killed() {
         let _serial = SERIAL.lock().await;
         let mut redis = Redis::start();
         let port = redis.port;
-        let mut fleet = Fleet::start(3, redis.url(), REDIS_TIMEOUT).await;
-        fleet.wait_members(3, Duration::from_secs(10)).await;
-        let load = Load::start(fleet.targets(), &[(Mode::Open, false, OFFERED), (Mode::Closed, false, OFFERED)]);
+        let (mut fleet, load) = Fleet::loaded(redis.url(), REDIS_TIMEOUT, &HOT).await;
         tokio::time::sleep(Duration::from_secs(3)).await;
 
         let fallback0 = fleet.sum("tollgate_fallback_admitted_total", &[]).await;
@@ -709,7 +592,7 @@ async fn redis_killed() {
         let breaker_during = fleet.sum("tollgate_redis_breaker_open", &[]).await;
         let restart_at = load.now();
         drop(redis);
-        let redis = Redis::start_on(port);
+        let redis = Redis::start_on(port, &[]);
         let up_at = load.now();
         let recovery = fleet.wait_recovered(Duration::from_secs(10)).await;
         let recovered_at = load.now();
@@ -805,7 +688,7 @@ async fn redis_killed() {
 
         assert!(recovery < RECOVERY, "recovery took {recovery:?}");
         // The new Redis holds buckets again (scripts reloaded after NOSCRIPT).
-        assert!(redis.cli(&["DBSIZE"]).trim().parse::<u64>().unwrap_or(0) >= 1, "no buckets in the restarted Redis");
+        assert_buckets(&redis);
     })
     .await;
 }
@@ -817,16 +700,14 @@ async fn redis_restarted_empty() {
         let _serial = SERIAL.lock().await;
         let mut redis = Redis::start();
         let port = redis.port;
-        let mut fleet = Fleet::start(3, redis.url(), REDIS_TIMEOUT).await;
-        fleet.wait_members(3, Duration::from_secs(10)).await;
-        let load = Load::start(fleet.targets(), &[(Mode::Open, false, OFFERED), (Mode::Closed, false, OFFERED)]);
+        let (mut fleet, load) = Fleet::loaded(redis.url(), REDIS_TIMEOUT, &HOT).await;
         tokio::time::sleep(Duration::from_secs(3)).await;
 
         let fallback0 = fleet.sum("tollgate_fallback_admitted_total", &[]).await;
         let killed_at = load.now();
         redis.kill();
         drop(redis);
-        let redis = Redis::start_on(port);
+        let redis = Redis::start_on(port, &[]);
         let up_at = load.now();
         let recovery = fleet.wait_recovered(Duration::from_secs(10)).await;
         let recovered_at = load.now();
@@ -838,13 +719,7 @@ async fn redis_restarted_empty() {
         let fallback = fallback_end - fallback0;
         let down = up_at - killed_at;
         let recovery_txt = format!("{} ms after Redis answered", recovery.as_millis());
-        let script_loads = redis
-            .cli(&["INFO", "commandstats"])
-            .lines()
-            .find_map(|l| l.strip_prefix("cmdstat_script|load:calls="))
-            .and_then(|r| r.split(',').next())
-            .and_then(|n| n.parse::<u64>().ok())
-            .unwrap_or(0);
+        let script_loads = redis.command_calls("script|load");
         let views: Vec<(Mode, View)> = [Mode::Open, Mode::Closed].into_iter().map(|m| (m, View::of(&samples, m, false))).collect();
         for (mode, v) in &views {
             let gap = v.between(killed_at, recovered_at);
@@ -868,7 +743,7 @@ async fn redis_restarted_empty() {
         fleet.assert_healthy();
         assert_common(&samples, None);
         assert!(script_loads >= 1, "the lease script was never reloaded into the new Redis");
-        assert!(redis.cli(&["DBSIZE"]).trim().parse::<u64>().unwrap_or(0) >= 1, "no buckets in the restarted Redis");
+        assert_buckets(&redis);
         for (mode, v) in &views {
             let (admitted, expected) = (v.count(200) as f64, exact(v.span()));
             match mode {
@@ -906,12 +781,7 @@ async fn redis_latency_plus_50ms() {
         let redis = Redis::start();
         let delay_ms = Arc::new(AtomicU64::new(0));
         let (relay, relay_task) = delaying_relay(redis.port, delay_ms.clone()).await;
-        let mut fleet = Fleet::start(3, format!("redis://127.0.0.1:{relay}"), TIGHT_TIMEOUT).await;
-        fleet.wait_members(3, Duration::from_secs(10)).await;
-        let load = Load::start(
-            fleet.targets(),
-            &[(Mode::Open, false, OFFERED), (Mode::Closed, false, OFFERED), (Mode::Open, true, 5.0), (Mode::Closed, true, 5.0)],
-        );
+        let (mut fleet, load) = Fleet::loaded(format!("redis://127.0.0.1:{relay}"), TIGHT_TIMEOUT, &[(Mode::Open, false, OFFERED), (Mode::Closed, false, OFFERED), (Mode::Open, true, 5.0), (Mode::Closed, true, 5.0)]).await;
         tokio::time::sleep(Duration::from_secs(3)).await;
         let fallback0 = fleet.sum("tollgate_fallback_admitted_total", &[]).await;
         let slow_at = load.now();
@@ -1048,9 +918,7 @@ async fn sidecar_killed_mid_lease() {
     within(60, async {
         let _serial = SERIAL.lock().await;
         let redis = Redis::start();
-        let mut fleet = Fleet::start(3, redis.url(), REDIS_TIMEOUT).await;
-        fleet.wait_members(3, Duration::from_secs(10)).await;
-        let load = Load::start(fleet.targets(), &[(Mode::Open, false, OFFERED), (Mode::Closed, false, OFFERED)]);
+        let (mut fleet, load) = Fleet::loaded(redis.url(), REDIS_TIMEOUT, &HOT).await;
         tokio::time::sleep(Duration::from_secs(3)).await;
         let fallback0 = fleet.sum("tollgate_fallback_admitted_total", &[]).await;
 
@@ -1060,8 +928,7 @@ async fn sidecar_killed_mid_lease() {
         let fallback_victim = metric(&m, "tollgate_fallback_admitted_total", &[]).unwrap_or(0.0);
         load.set_targets(fleet.targets());
         let killed_at = load.now();
-        // SAFETY: plain syscall on the PID of our own child, not reaped yet.
-        assert_eq!(unsafe { libc::kill(victim.pid as libc::pid_t, libc::SIGKILL) }, 0);
+        victim.kill_hard();
         drop(victim);
         let recovery = fleet.wait_members(2, Duration::from_secs(10)).await;
         tokio::time::sleep(Duration::from_secs(2)).await;
@@ -1112,12 +979,7 @@ async fn membership_3_5_2() {
     within(90, async {
         let _serial = SERIAL.lock().await;
         let redis = Redis::start();
-        let mut fleet = Fleet::start(3, redis.url(), REDIS_TIMEOUT).await;
-        fleet.wait_members(3, Duration::from_secs(10)).await;
-        let load = Load::start(
-            fleet.targets(),
-            &[(Mode::Open, false, OFFERED), (Mode::Closed, false, OFFERED)],
-        );
+        let (mut fleet, load) = Fleet::loaded(redis.url(), REDIS_TIMEOUT, &HOT).await;
         tokio::time::sleep(Duration::from_secs(2)).await;
         let fallback0 = fleet.sum("tollgate_fallback_admitted_total", &[]).await;
         // 3 → 5

@@ -27,15 +27,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tollgate_limiter::{Algorithm, KeyedLimiter, Quota, StoreConfig};
 
-const MIB: f64 = 1024.0 * 1024.0;
-
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 /// Counts of one flood.
 #[derive(Default, Debug)]
 struct FloodCounts {
@@ -170,17 +161,6 @@ async fn flood(
         t.await.expect("flood connection task");
     }
     Arc::try_unwrap(counts).expect("tasks done")
-}
-
-/// A `/proc/<pid>/status` field in bytes (`VmRSS`, `VmHWM`: the peak RSS).
-fn proc_status_bytes(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
-        * 1024
 }
 
 /// Bytes of the key table of one rule holding `cap` keys: a store with the sidecar's default

@@ -3,8 +3,7 @@
 
 mod common;
 
-use std::net::TcpListener as StdListener;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -13,88 +12,6 @@ use common::*;
 
 /// These tests measure rates and latencies: run them one at a time so they do not skew each other.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// A `redis-server` child on a free loopback port, killed (by PID) when dropped.
-struct Redis {
-    child: Child,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl Redis {
-    fn start() -> Redis {
-        let port = StdListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("free port");
-        Redis::start_on(port)
-    }
-
-    fn start_on(port: u16) -> Redis {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot start redis-server ({e}); install it with `apt-get install redis-server` \
-                     (./tools/test-all.sh does this)"
-                )
-            });
-        let r = Redis {
-            child,
-            port,
-            _dir: dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while r.cli(&["PING"]).trim() != "PONG" {
-            assert!(
-                Instant::now() < deadline,
-                "redis-server did not answer PING"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        r
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    fn cli(&self, args: &[&str]) -> String {
-        Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default()
-    }
-
-    /// `calls` of one command from INFO commandstats.
-    fn command_calls(&self, cmd: &str) -> u64 {
-        let info = self.cli(&["INFO", "commandstats"]);
-        info.lines()
-            .find_map(|l| l.strip_prefix(&format!("cmdstat_{cmd}:calls=")))
-            .and_then(|rest| rest.split(',').next())
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0)
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
 
 fn global_policy(name: &str, rule: &str) -> String {
     policy(name, &format!("rules:\n{}", indent(rule, 2)))
@@ -178,11 +95,7 @@ async fn global_token_bucket_holds_across_three_sidecars() {
         }
         // Wait until every sidecar counts three members, so shares are settled.
         for s in &sidecars {
-            poll_until(Duration::from_secs(10), "membership of 3", || async {
-                let m = s.metrics(&client()).await;
-                (metric(&m, "tollgate_live_sidecars", &[("policy", "test/shared")]) == Some(3.0)).then_some(())
-            })
-            .await;
+            s.wait_members("test/shared", 3, Duration::from_secs(10)).await;
         }
         let key = vec![("x-api-key", "k1".to_string())];
         // Load split 90/5/5 (by connections), then even.
@@ -328,7 +241,7 @@ async fn redis_outage_follows_each_rules_failure_mode() {
 
         // Redis comes back empty (scripts gone): recovery is automatic, within about one sync
         // interval (the breaker lets a probe through every interval).
-        let _redis2 = Redis::start_on(port);
+        let _redis2 = Redis::start_on(port, &[]);
         let back = Instant::now();
         poll_until(Duration::from_secs(10), "recovery after Redis restart", || {
             let g = get("/closed", "after");
@@ -350,39 +263,26 @@ async fn membership_follows_sidecars_joining_and_leaving() {
         let upstream = Upstream::start().await;
         let p = global_policy("members", "- name: m\n  limit: {requests: 90, period: 1s}");
         let a = start_sidecar(&upstream, &p, &redis, &["--membership-ttl", "2s"]).await;
-        let live = |s: &Sidecar| {
-            let url = s.admin_url("/metrics");
-            async move {
-                let text = client().get(url).send().await.ok()?.text().await.ok()?;
-                metric(
-                    &text,
-                    "tollgate_live_sidecars",
-                    &[("policy", "test/members")],
-                )
-            }
-        };
         // Traffic makes the rule active, which starts heartbeats.
         let _ = client().get(a.url("/")).send().await;
         poll_until(Duration::from_secs(10), "1 member", || async {
-            (live(&a).await == Some(1.0)).then_some(())
+            (a.live_members("test/members").await == Some(1.0)).then_some(())
         })
         .await;
         let mut b = start_sidecar(&upstream, &p, &redis, &["--membership-ttl", "2s"]).await;
         let mut c = start_sidecar(&upstream, &p, &redis, &["--membership-ttl", "2s"]).await;
         poll_until(Duration::from_secs(10), "3 members", || async {
-            (live(&a).await == Some(3.0)).then_some(())
+            (a.live_members("test/members").await == Some(3.0)).then_some(())
         })
         .await;
         // A graceful stop leaves at once; a kill drops out after the TTL.
         b.terminate();
         b.wait_exit(Duration::from_secs(10)).await;
         // SIGKILL: no chance to deregister.
-        let _ = Command::new("kill")
-            .args(["-KILL", &c.pid.to_string()])
-            .status();
+        c.kill_hard();
         c.wait_exit(Duration::from_secs(10)).await;
         poll_until(Duration::from_secs(10), "back to 1 member", || async {
-            (live(&a).await == Some(1.0)).then_some(())
+            (a.live_members("test/members").await == Some(1.0)).then_some(())
         })
         .await;
     })
@@ -394,14 +294,7 @@ async fn membership_follows_sidecars_joining_and_leaving() {
 async fn redis_bytes_per_key(redis: &Redis, keys: u32, groups: u32) -> f64 {
     use tollgate_sidecar::global::store::{LeaseOp, Store};
     let store = Store::new(&redis.url(), false, groups).expect("store");
-    let used = || -> f64 {
-        redis
-            .cli(&["INFO", "memory"])
-            .lines()
-            .find_map(|l| l.strip_prefix("used_memory:"))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0.0)
-    };
+    let used = || redis.used_memory() as f64;
     // One warm-up call loads the script, so its memory is not counted per key.
     let op = |i: u32| {
         let mut field = [0u8; 16];
@@ -471,12 +364,8 @@ async fn three_sidecar_run(
         sidecars.push(Sidecar::start(&upstream.url(), &p, &args).await);
     }
     for s in &sidecars {
-        poll_until(Duration::from_secs(15), "membership of 3", || async {
-            let m = s.metrics(&client()).await;
-            (metric(&m, "tollgate_live_sidecars", &[("policy", "test/shared")]) == Some(3.0))
-                .then_some(())
-        })
-        .await;
+        s.wait_members("test/shared", 3, Duration::from_secs(15))
+            .await;
     }
     let key = vec![("x-api-key", "k".to_string())];
     let t0 = Instant::now();
@@ -537,67 +426,13 @@ async fn strict_rules_make_one_atomic_call_per_request() {
     .await;
 }
 
-/// A TCP relay on loopback that delays every chunk by `delay_ms` (changeable while running) in
-/// both directions.
-async fn delaying_relay(target: u16, delay_ms: Arc<AtomicU64>) -> u16 {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind relay");
-    let port = listener.local_addr().expect("addr").port();
-    tokio::spawn(async move {
-        loop {
-            let Ok((inbound, _)) = listener.accept().await else {
-                return;
-            };
-            let delay = delay_ms.clone();
-            tokio::spawn(async move {
-                let Ok(outbound) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
-                else {
-                    return;
-                };
-                let (ri, wi) = inbound.into_split();
-                let (ro, wo) = outbound.into_split();
-                tokio::spawn(pump(ri, wo, delay.clone()));
-                tokio::spawn(pump(ro, wi, delay));
-            });
-        }
-    });
-    port
-}
-
-async fn pump(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    delay_ms: Arc<AtomicU64>,
-) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Duration, Vec<u8>)>();
-    let writer = tokio::spawn(async move {
-        while let Some((at, delay, data)) = rx.recv().await {
-            tokio::time::sleep_until((at + delay).into()).await;
-            if to.write_all(&data).await.is_err() {
-                return;
-            }
-        }
-    });
-    let mut buf = vec![0u8; 16 * 1024];
-    while let Ok(n) = from.read(&mut buf).await {
-        let delay = Duration::from_millis(delay_ms.load(Ordering::Relaxed));
-        if n == 0 || tx.send((Instant::now(), delay, buf[..n].to_vec())).is_err() {
-            break;
-        }
-    }
-    drop(tx);
-    let _ = writer.await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_redis_keeps_hot_keys_fast_and_cold_keys_follow_their_mode() {
     within(90, async {
         let _serial = SERIAL.lock().await;
         let redis = Redis::start();
         let delay_ms = Arc::new(AtomicU64::new(0));
-        let relay = delaying_relay(redis.port, delay_ms.clone()).await;
+        let (relay, _relay_task) = delaying_relay(redis.port, delay_ms.clone()).await;
         let upstream = Upstream::start().await;
         let p = global_policy(
             "slow",
@@ -660,45 +495,10 @@ impl Cluster {
     fn start() -> Cluster {
         let mut nodes = Vec::new();
         for _ in 0..3 {
-            let port = StdListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .map(|a| a.port())
-                .expect("port");
-            let dir = tempfile::tempdir().expect("dir");
-            let child = Command::new("redis-server")
-                .args([
-                    "--port",
-                    &port.to_string(),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-node-timeout",
-                    "2000",
-                ])
-                .arg("--dir")
-                .arg(dir.path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("start redis-server (cluster mode)");
-            let r = Redis {
-                child,
-                port,
-                _dir: dir,
-            };
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while r.cli(&["PING"]).trim() != "PONG" {
-                assert!(
-                    Instant::now() < deadline,
-                    "cluster node did not answer PING"
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            let r = Redis::start_on(
+                free_port(),
+                &["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"],
+            );
             nodes.push(r);
         }
         let addrs: Vec<String> = nodes
@@ -800,20 +600,13 @@ async fn global_limit_holds_while_membership_changes_3_5_2() {
                 }
             }));
         }
-        let live = |s: &Sidecar| {
-            let url = s.admin_url("/metrics");
-            async move {
-                let text = client().get(url).send().await.ok()?.text().await.ok()?;
-                metric(&text, "tollgate_live_sidecars", &[("policy", "test/shared")])
-            }
-        };
         tokio::time::sleep(Duration::from_secs(2)).await;
         // 3 → 5
         for _ in 0..2 {
             sidecars.push(start_sidecar(&upstream, &p, &redis, &args).await);
         }
         *targets.write().unwrap() = sidecars.iter().map(|s| s.url("/")).collect();
-        poll_until(Duration::from_secs(10), "5 members", || async { (live(&sidecars[0]).await == Some(5.0)).then_some(()) }).await;
+        poll_until(Duration::from_secs(10), "5 members", || async { (sidecars[0].live_members("test/shared").await == Some(5.0)).then_some(()) }).await;
         tokio::time::sleep(Duration::from_secs(2)).await;
         // 5 → 2: take three out of the load, then stop them (graceful: they return their tokens).
         *targets.write().unwrap() = sidecars[3..].iter().map(|s| s.url("/")).collect();
@@ -822,7 +615,7 @@ async fn global_limit_holds_while_membership_changes_3_5_2() {
             let mut s = s;
             s.wait_exit(Duration::from_secs(10)).await;
         }
-        poll_until(Duration::from_secs(10), "2 members", || async { (live(&sidecars[0]).await == Some(2.0)).then_some(()) }).await;
+        poll_until(Duration::from_secs(10), "2 members", || async { (sidecars[0].live_members("test/shared").await == Some(2.0)).then_some(()) }).await;
         tokio::time::sleep(Duration::from_secs(2)).await;
         stop.store(true, Ordering::Relaxed);
         for t in tasks {

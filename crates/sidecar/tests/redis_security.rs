@@ -155,13 +155,6 @@ impl Pki {
 // ---------------------------------------------------------------------------------------------
 // redis-server with TLS only
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
-
 /// A free port whose cluster bus port (port + 10000) is free too.
 fn free_bus_port_pair() -> u16 {
     for _ in 0..200 {
@@ -358,16 +351,7 @@ impl Proc {
         };
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let started = p.lines().iter().find_map(|l| {
-                let v: serde_json::Value = serde_json::from_str(l).ok()?;
-                (v["message"] == "tollgate-sidecar started").then(|| {
-                    (
-                        v["listen"].as_str().unwrap_or_default().parse().ok(),
-                        v["admin"].as_str().unwrap_or_default().parse().ok(),
-                    )
-                })
-            });
-            if let Some((Some(listen), Some(admin))) = started {
+            if let Some((listen, admin)) = p.lines().iter().find_map(|l| started_line(l)) {
                 p.listen = listen;
                 p.admin = admin;
                 return p;

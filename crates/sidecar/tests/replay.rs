@@ -29,12 +29,13 @@ fn line(offset_s: u64, method: &str, path: &str, key: Option<&str>, ip: &str) ->
     )
 }
 
-const NEW_RULES: &str = "
+/// The rules new_rules() and old_rules() share; only the per-key limit differs.
+const SHARED_RULES: &str = "
 rules:
 - name: per-key
   match: {path: {prefix: /api}}
   key: [{header: x-api-key}]
-  limit: {requests: 2, period: 1m}
+  limit: {requests: PER_KEY, period: 1m}
   scope: Local
 - name: shadow-ip
   match: {methods: [GET]}
@@ -42,32 +43,36 @@ rules:
   limit: {requests: 3, period: 1m, algorithm: FixedWindow}
   mode: Shadow
   scope: Local
-- name: global-all
+";
+
+/// The shared rules with `per_key` requests a minute, then `last_rule`.
+fn rules(per_key: u64, last_rule: &str) -> String {
+    SHARED_RULES.replace("PER_KEY", &per_key.to_string()) + last_rule
+}
+
+fn new_rules() -> String {
+    rules(
+        2,
+        "- name: global-all
   match: {path: {exact: /checkout}}
   limit: {requests: 1, period: 1h}
   scope: Global
-";
+",
+    )
+}
 
-const OLD_RULES: &str = "
-rules:
-- name: per-key
-  match: {path: {prefix: /api}}
-  key: [{header: x-api-key}]
-  limit: {requests: 3, period: 1m}
-  scope: Local
-- name: shadow-ip
-  match: {methods: [GET]}
-  key: [{clientIP: {trustedHops: 0}}]
-  limit: {requests: 3, period: 1m, algorithm: FixedWindow}
-  mode: Shadow
-  scope: Local
-- name: legacy
+fn old_rules() -> String {
+    rules(
+        3,
+        "- name: legacy
   match: {path: {exact: /legacy}}
   limit: {requests: 1, period: 1m}
   scope: Local
-";
+",
+    )
+}
 
-/// The crafted log; the comments give the expected decisions under NEW_RULES / OLD_RULES.
+/// The crafted log; the comments give the expected decisions under new_rules() / old_rules().
 fn crafted_log() -> String {
     let audit = r#"{"timestamp":"2025-05-01T12:00:05Z","level":"INFO","event":"rejected","rule":"test/replay/per-key","key_hash":"0123456789abcdef","limit":2,"retry_after_ms":1000,"message":"request rejected","target":"tollgate::audit"}"#;
     [
@@ -101,8 +106,8 @@ struct Files {
 impl Files {
     fn new() -> Files {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("new.yaml"), policy("replay", NEW_RULES)).unwrap();
-        std::fs::write(dir.path().join("old.yaml"), policy("replay", OLD_RULES)).unwrap();
+        std::fs::write(dir.path().join("new.yaml"), policy("replay", &new_rules())).unwrap();
+        std::fs::write(dir.path().join("old.yaml"), policy("replay", &old_rules())).unwrap();
         std::fs::write(dir.path().join("access.log"), crafted_log()).unwrap();
         Files { dir }
     }
@@ -152,8 +157,9 @@ fn rule_section<'a>(report: &'a str, id: &str) -> Vec<&'a str> {
     out
 }
 
-fn has(section: &[&str], needle: &str) -> bool {
-    section.iter().any(|l| l.contains(needle))
+/// Asserts a line of `section` contains `needle` (the failure shows the section).
+fn assert_has(section: &[&str], needle: &str) {
+    assert!(section.iter().any(|l| l.contains(needle)), "{section:?}");
 }
 
 #[test]
@@ -193,16 +199,10 @@ fn replay_reports_exact_counts_per_rule() {
 
     let per_key = rule_section(&out, "test/replay/per-key");
     assert!(per_key[0].contains("[Enforce]"), "{per_key:?}");
-    assert!(
-        has(&per_key, "matched 7, would-allow 5, would-reject 2 (28.6%)"),
-        "{per_key:?}"
-    );
-    assert!(
-        has(
-            &per_key,
-            "top rejected keys (hashed; --raw-keys shows them):"
-        ),
-        "{per_key:?}"
+    assert_has(&per_key, "matched 7, would-allow 5, would-reject 2 (28.6%)");
+    assert_has(
+        &per_key,
+        "top rejected keys (hashed; --raw-keys shows them):",
     );
     // One key ("a") was rejected twice, listed by its 16-hex-digit hash only.
     let keys: Vec<&&str> = per_key.iter().filter(|l| l.starts_with("    ")).collect();
@@ -214,19 +214,13 @@ fn replay_reports_exact_counts_per_rule() {
 
     let shadow = rule_section(&out, "test/replay/shadow-ip");
     assert!(shadow[0].contains("[Shadow]"), "{shadow:?}");
-    assert!(
-        has(
-            &shadow,
-            "matched 6, would-allow 5, would-reject 1 (16.7%; Shadow: counted, not rejected)"
-        ),
-        "{shadow:?}"
+    assert_has(
+        &shadow,
+        "matched 6, would-allow 5, would-reject 1 (16.7%; Shadow: counted, not rejected)",
     );
 
     let global = rule_section(&out, "test/replay/global-all");
-    assert!(
-        has(&global, "matched 2, would-allow 1, would-reject 1 (50.0%)"),
-        "{global:?}"
-    );
+    assert_has(&global, "matched 2, would-allow 1, would-reject 1 (50.0%)");
 }
 
 #[test]
@@ -250,16 +244,10 @@ fn replay_against_a_baseline_shows_the_difference() {
         "{out}"
     );
     let per_key = rule_section(&out, "test/replay/per-key");
-    assert!(
-        has(&per_key, "matched 7, would-allow 5, would-reject 2"),
-        "{per_key:?}"
-    );
-    assert!(
-        has(
-            &per_key,
-            "baseline: matched 7, would-allow 6, would-reject 1 (would-reject +1)"
-        ),
-        "{per_key:?}"
+    assert_has(&per_key, "matched 7, would-allow 5, would-reject 2");
+    assert_has(
+        &per_key,
+        "baseline: matched 7, would-allow 6, would-reject 1 (would-reject +1)",
     );
     // --raw-keys: the key itself, then its hash.
     assert!(
@@ -269,18 +257,12 @@ fn replay_against_a_baseline_shows_the_difference() {
         "{per_key:?}"
     );
     let shadow = rule_section(&out, "test/replay/shadow-ip");
-    assert!(
-        has(
-            &shadow,
-            "baseline: matched 7, would-allow 5, would-reject 2 (would-reject -1)"
-        ),
-        "{shadow:?}"
+    assert_has(
+        &shadow,
+        "baseline: matched 7, would-allow 5, would-reject 2 (would-reject -1)",
     );
     let global = rule_section(&out, "test/replay/global-all");
-    assert!(
-        has(&global, "baseline: (not in the baseline)"),
-        "{global:?}"
-    );
+    assert_has(&global, "baseline: (not in the baseline)");
     assert!(out.contains("rules only in the baseline:\n  test/replay/legacy: matched 0, would-allow 0, would-reject 0"), "{out}");
 }
 
@@ -330,10 +312,7 @@ fn an_hour_of_traffic_replays_in_simulated_time() {
     assert!(stdout.contains("replay of - against"), "{stdout}");
     assert!(stdout.contains("(59m59s900ms)"), "{stdout}");
     let rule = rule_section(&stdout, "test/hour/per-minute");
-    assert!(
-        has(&rule, "matched 36000, would-allow 6000, would-reject 30000"),
-        "{rule:?}"
-    );
+    assert_has(&rule, "matched 36000, would-allow 6000, would-reject 30000");
     // An hour of traffic, decided in far less than an hour (debug build, busy machine).
     assert!(started.elapsed() < Duration::from_secs(60));
 }

@@ -16,93 +16,11 @@
 
 mod common;
 
-use std::net::TcpListener as StdListener;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
-
-const MIB: f64 = 1024.0 * 1024.0;
-
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-/// A `redis-server` child on a free loopback port, killed (by PID) when dropped.
-struct Redis {
-    child: Child,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl Redis {
-    fn start() -> Redis {
-        let port = StdListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("free port");
-        let dir = tempfile::tempdir().expect("temp dir");
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start redis-server ({e}); install it with `apt-get install redis-server`")
-            });
-        let r = Redis {
-            child,
-            port,
-            _dir: dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while r.cli(&["PING"]).trim() != "PONG" {
-            assert!(
-                Instant::now() < deadline,
-                "redis-server did not answer PING"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        r
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    fn cli(&self, args: &[&str]) -> String {
-        Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default()
-    }
-
-    /// `used_memory` from INFO memory, in bytes.
-    fn used_memory(&self) -> u64 {
-        self.cli(&["INFO", "memory"])
-            .lines()
-            .find_map(|l| l.strip_prefix("used_memory:"))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0)
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// The two policy versions the soak alternates between: the global rule's limit changes (a new
 /// bucket and lease state) and an extra header-matched rule comes and goes.
@@ -267,17 +185,13 @@ async fn soak_three_sidecars_with_policy_edits() {
             sidecars.push(Sidecar::start(&up.url(), &soak_policy(1), &["--redis", &url]).await);
         }
         for s in &sidecars {
-            poll_until(Duration::from_secs(20), "membership of 3", || async {
-                let m = s.metrics(&client()).await;
-                (metric(&m, "tollgate_live_sidecars", &[("policy", "test/soak")]) == Some(3.0))
-                    .then_some(())
-            })
-            .await;
+            s.wait_members("test/soak", 3, Duration::from_secs(20))
+                .await;
         }
         let pids: Vec<u32> = sidecars.iter().map(|s| s.pid).collect();
         // For bench/soak.sh: what to kill by PID if it is interrupted before our Drop guards run.
         if let Ok(path) = std::env::var("TOLLGATE_SOAK_PIDFILE") {
-            let mut text = format!("{} redis-server\n", redis.child.id());
+            let mut text = format!("{} redis-server\n", redis.pid());
             for p in &pids {
                 text.push_str(&format!("{p} tollgate-sideca\n"));
             }

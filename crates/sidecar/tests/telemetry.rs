@@ -139,62 +139,6 @@ fn attr_value(
         .and_then(|v| v.value.clone())
 }
 
-/// A `redis-server` child on a free loopback port, killed (by PID) when dropped.
-struct Redis {
-    child: std::process::Child,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl Redis {
-    fn start() -> Redis {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("free port");
-        let dir = tempfile::tempdir().expect("temp dir");
-        let child = std::process::Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .arg("--dir")
-            .arg(dir.path())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("cannot start redis-server; install it with `apt-get install redis-server`");
-        let redis = Redis {
-            child,
-            port,
-            _dir: dir,
-        };
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "redis-server did not listen"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        redis
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        // `Child::kill` signals this child's PID only.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_sync_rounds_are_traced_with_redis_backed_global_rules() {
     within(60, async {
@@ -205,7 +149,7 @@ async fn lease_sync_rounds_are_traced_with_redis_backed_global_rules() {
             "shared",
             "rules:\n- name: per-client\n  key: [{header: x-api-key}]\n  limit: {requests: 1000, period: 1m}\n  scope: Global\n",
         );
-        let redis_url = format!("redis://127.0.0.1:{}", redis.port);
+        let redis_url = redis.url();
         let mut s = Sidecar::start(
             &upstream.url(),
             &p,

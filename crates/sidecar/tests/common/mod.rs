@@ -27,6 +27,10 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+mod redis;
+#[allow(unused_imports)] // Only the tests of global rules use it.
+pub use redis::*;
+
 /// Path of the binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_tollgate-sidecar");
 
@@ -257,13 +261,22 @@ impl Sidecar {
 
     /// Sends SIGTERM to the process.
     pub fn terminate(&self) {
+        self.signal(libc::SIGTERM);
+    }
+
+    /// Sends SIGKILL to the process: no chance to return tokens or deregister.
+    pub fn kill_hard(&self) {
+        self.signal(libc::SIGKILL);
+    }
+
+    fn signal(&self, sig: libc::c_int) {
         // SAFETY: plain syscall on the PID of our own child, which has not been reaped yet
         // (`exited` is only set after a successful wait), so the PID cannot have been reused.
-        let rc = unsafe { libc::kill(self.pid as libc::pid_t, libc::SIGTERM) };
+        let rc = unsafe { libc::kill(self.pid as libc::pid_t, sig) };
         assert_eq!(
             rc,
             0,
-            "kill(SIGTERM) failed: {}",
+            "kill({sig}) failed: {}",
             std::io::Error::last_os_error()
         );
     }
@@ -295,6 +308,30 @@ impl Sidecar {
             .expect("GET /metrics");
         assert_eq!(resp.status(), 200, "/metrics status");
         resp.text().await.expect("metrics body")
+    }
+
+    /// Waits until this sidecar counts `n` live members of `policy` (`namespace/name`).
+    pub async fn wait_members(&self, policy: &str, n: usize, timeout: Duration) {
+        poll_until(timeout, &format!("membership of {n}"), || async {
+            let m = self.metrics(&client()).await;
+            (metric(&m, "tollgate_live_sidecars", &[("policy", policy)]) == Some(n as f64))
+                .then_some(())
+        })
+        .await;
+    }
+
+    /// The member count of `policy` this sidecar reports; `None` while `/metrics` does not
+    /// answer (a sidecar being stopped).
+    pub async fn live_members(&self, policy: &str) -> Option<f64> {
+        let text = client()
+            .get(self.admin_url("/metrics"))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        metric(&text, "tollgate_live_sidecars", &[("policy", policy)])
     }
 
     /// Asserts the process is alive and still proxies requests.
@@ -336,7 +373,7 @@ impl Drop for Sidecar {
 }
 
 /// Parses the JSON start-up line: `{"message":"tollgate-sidecar started","listen":..,"admin":..}`.
-fn started_line(line: &str) -> Option<(SocketAddr, SocketAddr)> {
+pub fn started_line(line: &str) -> Option<(SocketAddr, SocketAddr)> {
     let v: serde_json::Value = serde_json::from_str(line).ok()?;
     if v.get("message")?.as_str()? != "tollgate-sidecar started" {
         return None;
@@ -346,19 +383,30 @@ fn started_line(line: &str) -> Option<(SocketAddr, SocketAddr)> {
     Some((listen, admin))
 }
 
+/// `$name` as a whole number, else `default` (the knobs of the long-running tests).
+pub fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+pub const MIB: f64 = 1024.0 * 1024.0;
+
 /// VmRSS of a process from `/proc/<pid>/status`, in bytes.
 pub fn rss_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc status");
-    let line = status
+    proc_status_bytes(pid, "VmRSS")
+}
+
+/// A `/proc/<pid>/status` field in bytes (`VmRSS`, `VmHWM`: the peak RSS).
+pub fn proc_status_bytes(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read status");
+    status
         .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .expect("VmRSS line");
-    let kib: u64 = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|n| n.parse().ok())
-        .expect("VmRSS value");
-    kib * 1024
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+        * 1024
 }
 
 /// Runs `tollgate-sidecar check <paths>` and returns (exit status, stdout, stderr).
