@@ -92,6 +92,7 @@ pub async fn run(
                 },
                 metrics: shared.metrics.global.clone(),
                 wake: tokio::sync::Notify::new(),
+                synced: tokio::sync::Notify::new(),
                 controller_members: arc_swap::ArcSwapOption::empty(),
                 sync_rtt: std::sync::atomic::AtomicU64::new(0),
             }))

@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::hash::Hasher;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -46,6 +46,8 @@ pub struct GlobalRuntime {
     pub metrics: GlobalMetrics,
     /// Signalled when a hot key drops below its low watermark, so the sync runs early.
     pub wake: tokio::sync::Notify,
+    /// Signalled after every sync round has credited its top-ups (see `Slot::topping_up`).
+    pub synced: tokio::sync::Notify,
     /// Live sidecar counts pushed by the controller; when set they replace the Redis heartbeat
     /// membership (the controller sees every connected sidecar, including idle ones).
     pub controller_members: arc_swap::ArcSwapOption<std::collections::BTreeMap<String, u32>>,
@@ -70,6 +72,10 @@ pub struct Slot {
     last_plan: AtomicU64,
     /// Single flight for round trips of this key: one request refills, the others wait for it.
     refill: tokio::sync::Mutex<()>,
+    /// A background top-up of this key is in flight. Redis may answer a request's own call for
+    /// the key with "empty" because that top-up took the last tokens: they are on their way to
+    /// this slot, so the request waits for the sync instead of answering 429.
+    topping_up: AtomicBool,
 }
 
 /// What a request may do without awaiting anything.
@@ -218,6 +224,7 @@ impl GlobalRule {
                 last_used: AtomicU64::new(now),
                 last_plan: AtomicU64::new(now),
                 refill: tokio::sync::Mutex::new(()),
+                topping_up: AtomicBool::new(false),
             })
         }))
     }
@@ -372,13 +379,33 @@ impl GlobalRule {
             Ok(r) => {
                 self.apply(&slot, &r, now);
                 slot.tokens.fetch_add(r.granted, Ordering::AcqRel);
-                match self.spend(&slot, now, cost) {
-                    Some(d) => LocalOutcome::Decided(d),
-                    None => LocalOutcome::Decided(self.decision_from(&r, false)),
+                if let Some(d) = self.spend(&slot, now, cost) {
+                    return LocalOutcome::Decided(d);
                 }
+                if self.top_up_landed(&slot, deadline).await
+                    && let Some(d) = self.spend(&slot, now, cost)
+                {
+                    return LocalOutcome::Decided(d);
+                }
+                LocalOutcome::Decided(self.decision_from(&r, false))
             }
             Err(_) => self.degraded(Some(&slot), key, now, cost),
         }
+    }
+
+    /// Whether spending again may succeed: an in-flight top-up of this key has been credited
+    /// (waiting for it until `deadline`), or none is in flight any more (one may have landed
+    /// on another worker since the caller last looked). Only a request that already made a
+    /// round trip and found Redis empty gets here, so the hot path never waits on a sync.
+    async fn top_up_landed(&self, slot: &Slot, deadline: tokio::time::Instant) -> bool {
+        let synced = self.runtime.synced.notified();
+        tokio::pin!(synced);
+        // Registered before the flag is read, so a round finishing in between is not missed.
+        synced.as_mut().enable();
+        if !slot.topping_up.load(Ordering::Acquire) {
+            return true;
+        }
+        tokio::time::timeout_at(deadline, synced).await.is_ok()
     }
 
     fn op(
@@ -500,6 +527,7 @@ impl GlobalRule {
                         ));
                     }
                 } else if !idle && held * 2 < target {
+                    slot.topping_up.store(true, Ordering::Release);
                     plan.push((
                         Arc::clone(slot),
                         self.op(slot.field, slot.group, target - held, 0, 0, false),
@@ -511,6 +539,7 @@ impl GlobalRule {
     }
 
     /// Applies a sync reply (or failure) to the slot it was planned for.
+    /// The caller signals `GlobalRuntime::synced` once the whole round is applied.
     pub fn finish_sync(&self, slot: &Slot, op: &LeaseOp, reply: Option<&LeaseReply>, now: Nanos) {
         match reply {
             Some(r) => {
@@ -522,6 +551,7 @@ impl GlobalRule {
                 slot.tokens.fetch_add(op.give_back, Ordering::AcqRel);
             }
         }
+        slot.topping_up.store(false, Ordering::Release);
     }
 
     /// Extends the validity of every held lease after a successful round trip proved Redis

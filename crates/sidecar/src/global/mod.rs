@@ -336,6 +336,7 @@ pub async fn sync_loop(shared: Arc<Shared>, runtime: Arc<GlobalRuntime>, members
                 }
             }
         }
+        runtime.synced.notify_waiters();
     }
 }
 
