@@ -635,3 +635,47 @@ async fn global_limit_holds_while_membership_changes_3_5_2() {
     })
     .await;
 }
+
+/// A client alone on its key gets exactly the bucket, in order: no early 429 while its own
+/// sidecar is still receiving tokens. Regression: a dry key's round trip raced the background
+/// top-up of the same key to Redis; when the top-up won, the request saw an empty bucket and
+/// answered 429 although the tokens were on their way to its sidecar (about 1 client in 30 got
+/// one early 429 with this shape of traffic).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn back_to_back_requests_get_the_whole_bucket_in_order() {
+    within(90, async {
+        let _serial = SERIAL.lock().await;
+        let redis = Redis::start();
+        let upstream = Upstream::start().await;
+        let yaml = global_policy(
+            "in-order",
+            "- name: per-client\n  key: [{header: x-client}]\n  limit: {requests: 20, period: 1h, burst: 20}\n  scope: Global\n  failureMode: Closed",
+        );
+        // A generous request timeout: a busy test machine must not turn cold keys into 503s.
+        let sidecar = start_sidecar(&upstream, &yaml, &redis, &["--redis-timeout", "500ms"]).await;
+        let c = client();
+        let mut early = Vec::new();
+        for k in 0..60 {
+            let mut statuses = Vec::with_capacity(21);
+            for _ in 0..21 {
+                let r = c
+                    .get(sidecar.url("/"))
+                    .header("x-client", format!("client-{k}"))
+                    .send()
+                    .await
+                    .expect("request");
+                statuses.push(r.status().as_u16());
+            }
+            let mut expected = vec![200; 20];
+            expected.push(429);
+            if statuses != expected {
+                early.push((k, statuses));
+            }
+        }
+        assert!(
+            early.is_empty(),
+            "clients whose 20-token bucket was not admitted in order: {early:?}"
+        );
+    })
+    .await;
+}
