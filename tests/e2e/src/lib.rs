@@ -353,3 +353,197 @@ pub fn redis_server() -> (Proc, u16) {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
+
+/// One test at a time: each runs a control plane and many processes on a small machine, and
+/// several measure timings.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Polls `f` every 20 ms until it is true; returns the time it took.
+pub fn wait(
+    what: &str,
+    timeout: std::time::Duration,
+    mut f: impl FnMut() -> bool,
+) -> std::time::Duration {
+    let start = std::time::Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    start.elapsed()
+}
+
+/// Applies the RateLimitPolicy CRD and waits until it is Established. Polled: `kubectl wait`
+/// fails outright if it runs before the CRD has any status.
+pub fn install_crd(cp: &ControlPlane) {
+    let crd = repo_root().join("manifests/crds/tollgate.dev_ratelimitpolicies.yaml");
+    cp.ok(&["apply", "-f", crd.to_str().unwrap()]);
+    wait(
+        "the CRD to be Established",
+        std::time::Duration::from_secs(60),
+        || {
+            let out = cp.kubectl(&[
+                "get",
+                "crd/ratelimitpolicies.tollgate.dev",
+                "-o",
+                "jsonpath={.status.conditions[?(@.type==\"Established\")].status}",
+            ]);
+            String::from_utf8_lossy(&out.stdout).trim() == "True"
+        },
+    );
+}
+
+/// The CRD, and namespace `shop` with the service account `app` its pods run as.
+pub fn install_crd_and_shop(cp: &ControlPlane) {
+    install_crd(cp);
+    cp.ok(&["create", "namespace", "shop"]);
+    cp.ok(&["create", "serviceaccount", "app", "-n", "shop"]);
+}
+
+/// Pod `name` in `shop` (label `app: shop-api`) as an API object only (no kubelet runs it),
+/// and a token bound to it, written to `dir/<name>`; returns the token file.
+pub fn pod_with_token(cp: &ControlPlane, name: &str, dir: &Path) -> PathBuf {
+    let pod = format!(
+        r#"{{"apiVersion":"v1","kind":"Pod","metadata":{{"name":"{name}","namespace":"shop","labels":{{"app":"shop-api"}}}},"spec":{{"serviceAccountName":"app","containers":[{{"name":"app","image":"example.invalid/app"}}]}}}}"#
+    );
+    cp.apply(&pod).expect("create pod");
+    let uid = cp.ok(&[
+        "get",
+        "pod",
+        name,
+        "-n",
+        "shop",
+        "-o",
+        "jsonpath={.metadata.uid}",
+    ]);
+    let token = cp.ok(&[
+        "create",
+        "token",
+        "app",
+        "-n",
+        "shop",
+        "--bound-object-kind",
+        "Pod",
+        "--bound-object-name",
+        name,
+        "--bound-object-uid",
+        uid.trim(),
+        "--duration",
+        "1h",
+    ]);
+    let path = dir.join(name);
+    std::fs::write(&path, token.trim()).expect("write token");
+    path
+}
+
+/// An upstream app answering 200 to everything, one request per connection.
+pub fn app() -> u16 {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind app");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { continue };
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                let mut seen = Vec::new();
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = s.write_all(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+                );
+            });
+        }
+    });
+    port
+}
+
+/// `tollgate-controller` on 127.0.0.1:`port` against `cp`, with `--lease-namespace default`
+/// and `args`; returns once it has synced.
+pub fn start_controller(cp: &ControlPlane, name: &str, port: u16, args: &[&str]) -> Proc {
+    let mut cmd = Command::new(workspace_bin("tollgate-controller"));
+    cmd.args([
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--lease-namespace",
+        "default",
+    ])
+    .args(args)
+    .env("KUBECONFIG", cp.kubeconfig());
+    let p = Proc::spawn(name, cmd);
+    p.wait_for_log("synced: ready", std::time::Duration::from_secs(30));
+    p
+}
+
+/// A `tollgate-sidecar` process on free loopback ports.
+pub struct Sidecar {
+    pub proc: Proc,
+    pub listen: u16,
+    pub admin: u16,
+}
+
+impl Sidecar {
+    /// Starts one named `name` in front of `upstream` with `args`; returns once it has started.
+    pub fn start(name: &str, upstream: &str, args: &[&str]) -> Sidecar {
+        let (listen, admin) = (free_port(), free_port());
+        let mut cmd = Command::new(workspace_bin("tollgate-sidecar"));
+        cmd.args([
+            "--listen",
+            &format!("127.0.0.1:{listen}"),
+            "--admin",
+            &format!("127.0.0.1:{admin}"),
+            "--upstream",
+            upstream,
+        ])
+        .args(args);
+        let proc = Proc::spawn(name, cmd);
+        proc.wait_for_log(
+            "tollgate-sidecar started",
+            std::time::Duration::from_secs(30),
+        );
+        Sidecar {
+            proc,
+            listen,
+            admin,
+        }
+    }
+
+    /// The sidecar of pod `pod` in `shop` in front of the app on `app_port`: rules streamed
+    /// from the controller on `controller_port` with the pod's `token`, JSON logs, and `extra`.
+    pub fn for_pod(
+        pod: &str,
+        app_port: u16,
+        controller_port: u16,
+        token: &Path,
+        extra: &[&str],
+    ) -> Sidecar {
+        let controller = format!("http://127.0.0.1:{controller_port}");
+        let mut args = vec![
+            "--controller",
+            &controller,
+            "--pod-name",
+            pod,
+            "--pod-namespace",
+            "shop",
+            "--token-file",
+            token.to_str().expect("UTF-8 token path"),
+            "--log-format",
+            "json",
+        ];
+        args.extend_from_slice(extra);
+        Sidecar::start(
+            &format!("tollgate-sidecar {pod}"),
+            &format!("http://127.0.0.1:{app_port}"),
+            &args,
+        )
+    }
+}

@@ -4,47 +4,14 @@
 //! edits propagate within a second, deletion lifts limits, and a controller restart changes
 //! nothing for traffic.
 
-use std::io::{Read, Write};
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tollgate_e2e::{ControlPlane, Proc, free_port, redis_server, repo_root, workspace_bin};
-
-/// Each test runs a control plane and many processes: one at a time keeps their timings honest.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// An upstream app answering 200 to everything (one request per connection).
-fn app() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind app");
-    let port = listener.local_addr().expect("addr").port();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut s) = stream else { continue };
-            std::thread::spawn(move || {
-                let mut buf = [0u8; 4096];
-                let mut seen = Vec::new();
-                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut buf) {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => seen.extend_from_slice(&buf[..n]),
-                    }
-                }
-                let _ = s.write_all(
-                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
-                );
-            });
-        }
-    });
-    port
-}
+use tollgate_e2e::{
+    ControlPlane, Proc, Sidecar, app, free_port, install_crd_and_shop, pod_with_token,
+    redis_server, serial, start_controller, wait,
+};
 
 fn policy(requests: u64) -> String {
     format!(
@@ -62,12 +29,6 @@ spec:
     )
 }
 
-struct Sidecar {
-    proc: Proc,
-    listen: u16,
-    admin: u16,
-}
-
 fn get(client: &reqwest::blocking::Client, url: &str, key: &str) -> u16 {
     client
         .get(url)
@@ -75,19 +36,6 @@ fn get(client: &reqwest::blocking::Client, url: &str, key: &str) -> u16 {
         .send()
         .map(|r| r.status().as_u16())
         .unwrap_or(0)
-}
-
-/// Polls `f` every 20 ms until it is true; returns the time it took.
-fn wait(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    start.elapsed()
 }
 
 fn condition(cp: &ControlPlane, ty: &str) -> String {
@@ -107,51 +55,13 @@ fn condition(cp: &ControlPlane, ty: &str) -> String {
 fn policies_reach_sidecars_hold_globally_and_report_status() {
     let _serial = serial();
     let cp = ControlPlane::start();
-    let crd = repo_root().join("manifests/crds/tollgate.dev_ratelimitpolicies.yaml");
-    cp.ok(&["apply", "-f", crd.to_str().unwrap()]);
-    cp.ok(&[
-        "wait",
-        "--for=condition=Established",
-        "--timeout=60s",
-        "crd/ratelimitpolicies.tollgate.dev",
-    ]);
-    cp.ok(&["create", "namespace", "shop"]);
-    cp.ok(&["create", "serviceaccount", "app", "-n", "shop"]);
+    install_crd_and_shop(&cp);
 
     // Three pods as API objects (no kubelet runs them), each with a bound token.
     let dir = tempfile::tempdir().unwrap();
     let mut tokens = Vec::new();
     for i in 0..3 {
-        let pod = format!(
-            r#"{{"apiVersion":"v1","kind":"Pod","metadata":{{"name":"p{i}","namespace":"shop","labels":{{"app":"shop-api"}}}},"spec":{{"serviceAccountName":"app","containers":[{{"name":"app","image":"example.invalid/app"}}]}}}}"#
-        );
-        cp.apply(&pod).expect("create pod");
-        let uid = cp.ok(&[
-            "get",
-            "pod",
-            &format!("p{i}"),
-            "-n",
-            "shop",
-            "-o",
-            "jsonpath={.metadata.uid}",
-        ]);
-        let token = cp.ok(&[
-            "create",
-            "token",
-            "app",
-            "-n",
-            "shop",
-            "--bound-object-kind",
-            "Pod",
-            "--bound-object-name",
-            &format!("p{i}"),
-            "--bound-object-uid",
-            uid.trim(),
-            "--duration",
-            "1h",
-        ]);
-        let path = dir.path().join(format!("token-{i}"));
-        std::fs::write(&path, token.trim()).unwrap();
+        let path = pod_with_token(&cp, &format!("p{i}"), dir.path());
         tokens.push(path);
     }
 
@@ -159,56 +69,26 @@ fn policies_reach_sidecars_hold_globally_and_report_status() {
     let app_port = app();
     let controller_port = free_port();
     let start_controller = || {
-        let mut cmd = Command::new(workspace_bin("tollgate-controller"));
-        cmd.args([
-            "--listen",
-            &format!("127.0.0.1:{controller_port}"),
-            "--lease-namespace",
-            "default",
-            "--heartbeat-interval",
-            "1s",
-        ])
-        .env("KUBECONFIG", cp.kubeconfig());
-        let p = Proc::spawn("tollgate-controller", cmd);
-        p.wait_for_log("synced: ready", Duration::from_secs(30));
-        p
+        start_controller(
+            &cp,
+            "tollgate-controller",
+            controller_port,
+            &["--heartbeat-interval", "1s"],
+        )
     };
     let mut controller = start_controller();
 
     cp.apply(&policy(30)).expect("apply policy");
     let mut sidecars = Vec::new();
     for (i, token) in tokens.iter().enumerate() {
-        let (listen, admin) = (free_port(), free_port());
-        let mut cmd = Command::new(workspace_bin("tollgate-sidecar"));
-        cmd.args([
-            "--listen",
-            &format!("127.0.0.1:{listen}"),
-            "--admin",
-            &format!("127.0.0.1:{admin}"),
-            "--upstream",
-            &format!("http://127.0.0.1:{app_port}"),
-            "--controller",
-            &format!("http://127.0.0.1:{controller_port}"),
-            "--pod-name",
+        let redis = format!("redis://127.0.0.1:{redis_port}");
+        sidecars.push(Sidecar::for_pod(
             &format!("p{i}"),
-            "--pod-namespace",
-            "shop",
-            "--token-file",
-            token.to_str().unwrap(),
-            "--redis",
-            &format!("redis://127.0.0.1:{redis_port}"),
-            "--redis-timeout",
-            "200ms",
-            "--log-format",
-            "json",
-        ]);
-        let proc = Proc::spawn(&format!("tollgate-sidecar p{i}"), cmd);
-        proc.wait_for_log("tollgate-sidecar started", Duration::from_secs(30));
-        sidecars.push(Sidecar {
-            proc,
-            listen,
-            admin,
-        });
+            app_port,
+            controller_port,
+            token,
+            &["--redis", &redis, "--redis-timeout", "200ms"],
+        ));
     }
     let client = reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(5))
@@ -369,95 +249,32 @@ fn fleet(
     n: usize,
     redis: Option<u16>,
 ) -> (Proc, Vec<Sidecar>, tempfile::TempDir) {
-    let crd = repo_root().join("manifests/crds/tollgate.dev_ratelimitpolicies.yaml");
-    cp.ok(&["apply", "-f", crd.to_str().unwrap()]);
-    cp.ok(&[
-        "wait",
-        "--for=condition=Established",
-        "--timeout=60s",
-        "crd/ratelimitpolicies.tollgate.dev",
-    ]);
-    cp.ok(&["create", "namespace", "shop"]);
-    cp.ok(&["create", "serviceaccount", "app", "-n", "shop"]);
+    install_crd_and_shop(cp);
     let dir = tempfile::tempdir().unwrap();
     let app_port = app();
     let controller_port = free_port();
-    let mut cmd = Command::new(workspace_bin("tollgate-controller"));
-    cmd.args([
-        "--listen",
-        &format!("127.0.0.1:{controller_port}"),
-        "--lease-namespace",
-        "default",
-        "--heartbeat-interval",
-        "1s",
-    ])
-    .env("KUBECONFIG", cp.kubeconfig());
-    let controller = Proc::spawn("tollgate-controller", cmd);
-    controller.wait_for_log("synced: ready", Duration::from_secs(30));
+    let controller = start_controller(
+        cp,
+        "tollgate-controller",
+        controller_port,
+        &["--heartbeat-interval", "1s"],
+    );
+    let redis = redis.map(|port| format!("redis://127.0.0.1:{port}"));
     let mut sidecars = Vec::new();
     for i in 0..n {
-        let pod = format!(
-            r#"{{"apiVersion":"v1","kind":"Pod","metadata":{{"name":"p{i}","namespace":"shop","labels":{{"app":"shop-api"}}}},"spec":{{"serviceAccountName":"app","containers":[{{"name":"app","image":"example.invalid/app"}}]}}}}"#
-        );
-        cp.apply(&pod).expect("create pod");
-        let uid = cp.ok(&[
-            "get",
-            "pod",
-            &format!("p{i}"),
-            "-n",
-            "shop",
-            "-o",
-            "jsonpath={.metadata.uid}",
-        ]);
-        let token = cp.ok(&[
-            "create",
-            "token",
-            "app",
-            "-n",
-            "shop",
-            "--bound-object-kind",
-            "Pod",
-            "--bound-object-name",
-            &format!("p{i}"),
-            "--bound-object-uid",
-            uid.trim(),
-            "--duration",
-            "1h",
-        ]);
-        let path = dir.path().join(format!("token-{i}"));
-        std::fs::write(&path, token.trim()).unwrap();
-        let (listen, admin) = (free_port(), free_port());
-        let mut cmd = Command::new(workspace_bin("tollgate-sidecar"));
-        cmd.args([
-            "--listen",
-            &format!("127.0.0.1:{listen}"),
-            "--admin",
-            &format!("127.0.0.1:{admin}"),
-            "--upstream",
-            &format!("http://127.0.0.1:{app_port}"),
-            "--controller",
-            &format!("http://127.0.0.1:{controller_port}"),
-            "--pod-name",
-            &format!("p{i}"),
-            "--pod-namespace",
-            "shop",
-            "--token-file",
-            path.to_str().unwrap(),
-            "--workers",
-            "1",
-            "--log-format",
-            "json",
-        ]);
-        if let Some(port) = redis {
-            cmd.args(["--redis", &format!("redis://127.0.0.1:{port}")]);
+        let name = format!("p{i}");
+        let token = pod_with_token(cp, &name, dir.path());
+        let mut extra = vec!["--workers", "1"];
+        if let Some(url) = &redis {
+            extra.extend(["--redis", url.as_str()]);
         }
-        let proc = Proc::spawn(&format!("tollgate-sidecar p{i}"), cmd);
-        proc.wait_for_log("tollgate-sidecar started", Duration::from_secs(30));
-        sidecars.push(Sidecar {
-            proc,
-            listen,
-            admin,
-        });
+        sidecars.push(Sidecar::for_pod(
+            &name,
+            app_port,
+            controller_port,
+            &token,
+            &extra,
+        ));
     }
     (controller, sidecars, dir)
 }

@@ -8,21 +8,14 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tollgate_e2e::{ControlPlane, Proc, free_port, redis_server, repo_root, workspace_bin};
-
-/// Each test runs a control plane and many processes: one at a time keeps their timings honest.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
+use tollgate_e2e::{
+    ControlPlane, Proc, Sidecar, free_port, install_crd_and_shop, pod_with_token, redis_server,
+    serial, start_controller, wait,
+};
 
 const POLICY: &str = "shop/matrix";
 /// Both global rules: `LIMIT` per second, burst `BURST`, shared by the sidecars.
@@ -148,19 +141,6 @@ fn pump(mut from: TcpStream, mut to: TcpStream, delay_ms: Arc<AtomicU64>, stop: 
     });
 }
 
-/// Polls `f` every 20 ms until it is true; returns the time it took.
-fn wait(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    start.elapsed()
-}
-
 /// Whether a child process is still running (not exited, not a zombie).
 fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -173,20 +153,13 @@ fn alive(pid: u32) -> bool {
         .is_some_and(|state| state != 'Z' && state != 'X')
 }
 
-struct Sidecar {
-    proc: Proc,
-    listen: u16,
-    admin: u16,
-}
-
-impl Sidecar {
-    fn metrics(&self, client: &reqwest::blocking::Client) -> String {
-        client
-            .get(format!("http://127.0.0.1:{}/metrics", self.admin))
-            .send()
-            .and_then(|r| r.text())
-            .unwrap_or_default()
-    }
+/// The text of a sidecar's `/metrics`, empty if it does not answer.
+fn metrics(client: &reqwest::blocking::Client, s: &Sidecar) -> String {
+    client
+        .get(format!("http://127.0.0.1:{}/metrics", s.admin))
+        .send()
+        .and_then(|r| r.text())
+        .unwrap_or_default()
 }
 
 /// Sum of the samples of `name` whose label set contains every `k="v"` in `labels`.
@@ -227,20 +200,7 @@ struct Cluster {
 impl Cluster {
     fn start(n: usize, policy: &str, policy_id: &'static str, sidecar_args: &[String]) -> Cluster {
         let cp = ControlPlane::start();
-        let crd = repo_root().join("manifests/crds/tollgate.dev_ratelimitpolicies.yaml");
-        cp.ok(&["apply", "-f", crd.to_str().unwrap()]);
-        // Polled: `kubectl wait` fails outright if it runs before the CRD has any status.
-        wait("the CRD to be Established", Duration::from_secs(60), || {
-            let out = cp.kubectl(&[
-                "get",
-                "crd/ratelimitpolicies.tollgate.dev",
-                "-o",
-                "jsonpath={.status.conditions[?(@.type==\"Established\")].status}",
-            ]);
-            String::from_utf8_lossy(&out.stdout).trim() == "True"
-        });
-        cp.ok(&["create", "namespace", "shop"]);
-        cp.ok(&["create", "serviceaccount", "app", "-n", "shop"]);
+        install_crd_and_shop(&cp);
         cp.apply(policy).expect("apply policy");
         let mut c = Cluster {
             cp,
@@ -274,90 +234,32 @@ impl Cluster {
 
     /// Starts the controller under `identity` (a replacement pod gets a new name).
     fn start_controller(&mut self, identity: &str) {
-        let mut cmd = Command::new(workspace_bin("tollgate-controller"));
-        cmd.args([
-            "--listen",
-            &format!("127.0.0.1:{}", self.controller_port),
-            "--identity",
-            identity,
-            "--lease-namespace",
-            "default",
-            "--heartbeat-interval",
-            "1s",
-        ])
-        .env("KUBECONFIG", self.cp.kubeconfig());
-        let p = Proc::spawn(&format!("tollgate-controller {identity}"), cmd);
-        p.wait_for_log("synced: ready", Duration::from_secs(30));
-        self.controller = Some(p);
+        self.controller = Some(start_controller(
+            &self.cp,
+            &format!("tollgate-controller {identity}"),
+            self.controller_port,
+            &["--identity", identity, "--heartbeat-interval", "1s"],
+        ));
     }
 
     fn sidecar(&mut self, i: usize, app_port: u16, extra: &[String]) {
         let name = format!("p{i}");
-        let pod = format!(
-            r#"{{"apiVersion":"v1","kind":"Pod","metadata":{{"name":"{name}","namespace":"shop","labels":{{"app":"shop-api"}}}},"spec":{{"serviceAccountName":"app","containers":[{{"name":"app","image":"example.invalid/app"}}]}}}}"#
-        );
-        self.cp.apply(&pod).expect("create pod");
-        let uid = self.cp.ok(&[
-            "get",
-            "pod",
+        let token = pod_with_token(&self.cp, &name, self._tokens.path());
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        self.sidecars.push(Sidecar::for_pod(
             &name,
-            "-n",
-            "shop",
-            "-o",
-            "jsonpath={.metadata.uid}",
-        ]);
-        let token = self.cp.ok(&[
-            "create",
-            "token",
-            "app",
-            "-n",
-            "shop",
-            "--bound-object-kind",
-            "Pod",
-            "--bound-object-name",
-            &name,
-            "--bound-object-uid",
-            uid.trim(),
-            "--duration",
-            "1h",
-        ]);
-        let path = self._tokens.path().join(&name);
-        std::fs::write(&path, token.trim()).unwrap();
-        let (listen, admin) = (free_port(), free_port());
-        let mut cmd = Command::new(workspace_bin("tollgate-sidecar"));
-        cmd.args([
-            "--listen",
-            &format!("127.0.0.1:{listen}"),
-            "--admin",
-            &format!("127.0.0.1:{admin}"),
-            "--upstream",
-            &format!("http://127.0.0.1:{app_port}"),
-            "--controller",
-            &format!("http://127.0.0.1:{}", self.controller_port),
-            "--pod-name",
-            &name,
-            "--pod-namespace",
-            "shop",
-            "--token-file",
-            path.to_str().unwrap(),
-            "--log-format",
-            "json",
-        ])
-        .args(extra);
-        let proc = Proc::spawn(&format!("tollgate-sidecar {name}"), cmd);
-        proc.wait_for_log("tollgate-sidecar started", Duration::from_secs(30));
-        self.sidecars.push(Sidecar {
-            proc,
-            listen,
-            admin,
-        });
+            app_port,
+            self.controller_port,
+            &token,
+            &extra,
+        ));
     }
 
     /// Sum of a metric over the sidecars.
     fn sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         self.sidecars
             .iter()
-            .map(|s| metric(&s.metrics(&self.client), name, labels).unwrap_or(0.0))
+            .map(|s| metric(&metrics(&self.client, s), name, labels).unwrap_or(0.0))
             .sum()
     }
 
@@ -365,7 +267,7 @@ impl Cluster {
     fn each(&self, name: &str, labels: &[(&str, &str)]) -> Vec<f64> {
         self.sidecars
             .iter()
-            .map(|s| metric(&s.metrics(&self.client), name, labels).unwrap_or(-1.0))
+            .map(|s| metric(&metrics(&self.client, s), name, labels).unwrap_or(-1.0))
             .collect()
     }
 

@@ -3,10 +3,9 @@
 //! names appears on the `/metrics` endpoint of a real sidecar or controller.
 
 use std::collections::BTreeSet;
-use std::process::Command;
 use std::time::Duration;
 
-use tollgate_e2e::{ControlPlane, Proc, free_port, repo_root, workspace_bin};
+use tollgate_e2e::{ControlPlane, Sidecar, free_port, install_crd, repo_root, start_controller};
 
 /// Every PromQL expression in the dashboard and the alert file, Grafana variables filled in.
 fn expressions() -> Vec<(String, String)> {
@@ -102,22 +101,13 @@ fn dashboard_and_alerts_parse_and_use_real_metrics() {
         std::fs::read_to_string(repo_root().join("manifests/examples/per-api-key.yaml")).unwrap(),
     )
     .unwrap();
-    let (listen, admin) = (free_port(), free_port());
-    let mut cmd = Command::new(workspace_bin("tollgate-sidecar"));
-    cmd.args([
-        "--listen",
-        &format!("127.0.0.1:{listen}"),
-        "--admin",
-        &format!("127.0.0.1:{admin}"),
-        "--upstream",
+    let redis = format!("redis://127.0.0.1:{}", free_port());
+    let sidecar = Sidecar::start(
+        "tollgate-sidecar",
         "http://127.0.0.1:9",
-        "--policies",
-        policy.to_str().unwrap(),
-        "--redis",
-        &format!("redis://127.0.0.1:{}", free_port()),
-    ]);
-    let sidecar = Proc::spawn("tollgate-sidecar", cmd);
-    sidecar.wait_for_log("tollgate-sidecar started", Duration::from_secs(30));
+        &["--policies", policy.to_str().unwrap(), "--redis", &redis],
+    );
+    let (listen, admin) = (sidecar.listen, sidecar.admin);
     // One request with Redis unreachable: the error and fallback series come into being.
     let _ = reqwest::blocking::Client::new()
         .get(format!("http://127.0.0.1:{listen}/"))
@@ -129,25 +119,9 @@ fn dashboard_and_alerts_parse_and_use_real_metrics() {
     );
 
     let cp = ControlPlane::start();
-    let crd = repo_root().join("manifests/crds/tollgate.dev_ratelimitpolicies.yaml");
-    cp.ok(&["apply", "-f", crd.to_str().unwrap()]);
-    cp.ok(&[
-        "wait",
-        "--for=condition=Established",
-        "--timeout=60s",
-        "crd/ratelimitpolicies.tollgate.dev",
-    ]);
+    install_crd(&cp);
     let port = free_port();
-    let mut cmd = Command::new(workspace_bin("tollgate-controller"));
-    cmd.args([
-        "--listen",
-        &format!("127.0.0.1:{port}"),
-        "--lease-namespace",
-        "default",
-    ])
-    .env("KUBECONFIG", cp.kubeconfig());
-    let controller = Proc::spawn("tollgate-controller", cmd);
-    controller.wait_for_log("synced: ready", Duration::from_secs(30));
+    let _controller = start_controller(&cp, "tollgate-controller", port, &[]);
     families(
         &scrape(&format!("http://127.0.0.1:{port}/metrics")),
         &mut names,

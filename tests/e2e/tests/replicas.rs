@@ -12,14 +12,15 @@
 //! - a replica stopped cleanly drops out at once, and one killed outright is forgotten after
 //!   its Lease duration; its sidecars reconnect to the survivor and keep enforcing.
 
-use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use tollgate_e2e::{ControlPlane, Proc, free_port, redis_server, repo_root, workspace_bin};
+use tollgate_e2e::{
+    ControlPlane, Proc, Sidecar, app, free_port, install_crd_and_shop, pod_with_token,
+    redis_server, start_controller, wait,
+};
 
 const POLICY: &str = "shop/shop-api-keys";
 const LEASE_SECONDS: u64 = 6;
@@ -38,31 +39,6 @@ spec:
     limit: {{requests: {requests}, period: 1m}}
 "#
     )
-}
-
-/// An upstream answering 200 to everything (one request per connection).
-fn app() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind app");
-    let port = listener.local_addr().expect("addr").port();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut s) = stream else { continue };
-            std::thread::spawn(move || {
-                let mut buf = [0u8; 4096];
-                let mut seen = Vec::new();
-                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut buf) {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => seen.extend_from_slice(&buf[..n]),
-                    }
-                }
-                let _ = s.write_all(
-                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
-                );
-            });
-        }
-    });
-    port
 }
 
 /// Round-robin TCP balancer over `backends` (a Service's behaviour, per connection).
@@ -96,19 +72,6 @@ fn balancer(backends: Vec<u16>) -> u16 {
     port
 }
 
-/// Polls `f` every 20 ms until it is true; returns the time it took.
-fn wait(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    start.elapsed()
-}
-
 /// The value of the first sample of `name` (with `labels` in its label set) on a metrics page.
 fn metric(client: &reqwest::blocking::Client, url: &str, name: &str, labels: &str) -> Option<f64> {
     let text = client.get(url).send().ok()?.text().ok()?;
@@ -133,100 +96,50 @@ struct Fleet {
     redis_port: u16,
     app_port: u16,
     balancer_port: u16,
-    sidecars: Vec<(Proc, u16, u16)>,
+    sidecars: Vec<Sidecar>,
 }
 
 impl Fleet {
     fn replica(&self, identity: &str, port: u16) -> Replica {
-        let mut cmd = Command::new(workspace_bin("tollgate-controller"));
-        cmd.args([
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--identity",
-            identity,
-            "--lease-namespace",
-            "default",
-            "--lease-duration",
-            &format!("{LEASE_SECONDS}s"),
-            "--heartbeat-interval",
-            "1s",
-        ])
-        .env("KUBECONFIG", self.cp.kubeconfig());
-        let proc = Proc::spawn(&format!("tollgate-controller {identity}"), cmd);
-        proc.wait_for_log("synced: ready", Duration::from_secs(30));
+        let lease = format!("{LEASE_SECONDS}s");
+        let proc = start_controller(
+            &self.cp,
+            &format!("tollgate-controller {identity}"),
+            port,
+            &[
+                "--identity",
+                identity,
+                "--lease-duration",
+                &lease,
+                "--heartbeat-interval",
+                "1s",
+            ],
+        );
         Replica { proc, port }
     }
 
     /// A pod object with a bound token, and a sidecar process for it behind the balancer.
     fn sidecar(&mut self, i: usize) {
-        let pod = format!(
-            r#"{{"apiVersion":"v1","kind":"Pod","metadata":{{"name":"p{i}","namespace":"shop","labels":{{"app":"shop-api"}}}},"spec":{{"serviceAccountName":"app","containers":[{{"name":"app","image":"example.invalid/app"}}]}}}}"#
-        );
-        self.cp.apply(&pod).expect("create pod");
         let name = format!("p{i}");
-        let uid = self.cp.ok(&[
-            "get",
-            "pod",
+        let token = pod_with_token(&self.cp, &name, self.tokens.path());
+        let redis = format!("redis://127.0.0.1:{}", self.redis_port);
+        self.sidecars.push(Sidecar::for_pod(
             &name,
-            "-n",
-            "shop",
-            "-o",
-            "jsonpath={.metadata.uid}",
-        ]);
-        let token = self.cp.ok(&[
-            "create",
-            "token",
-            "app",
-            "-n",
-            "shop",
-            "--bound-object-kind",
-            "Pod",
-            "--bound-object-name",
-            &name,
-            "--bound-object-uid",
-            uid.trim(),
-            "--duration",
-            "1h",
-        ]);
-        let path = self.tokens.path().join(&name);
-        std::fs::write(&path, token.trim()).unwrap();
-        let (listen, admin) = (free_port(), free_port());
-        let mut cmd = Command::new(workspace_bin("tollgate-sidecar"));
-        cmd.args([
-            "--listen",
-            &format!("127.0.0.1:{listen}"),
-            "--admin",
-            &format!("127.0.0.1:{admin}"),
-            "--upstream",
-            &format!("http://127.0.0.1:{}", self.app_port),
-            "--controller",
-            &format!("http://127.0.0.1:{}", self.balancer_port),
-            "--pod-name",
-            &name,
-            "--pod-namespace",
-            "shop",
-            "--token-file",
-            path.to_str().unwrap(),
-            "--redis",
-            &format!("redis://127.0.0.1:{}", self.redis_port),
-            "--redis-timeout",
-            "200ms",
-            "--log-format",
-            "json",
-        ]);
-        let proc = Proc::spawn(&format!("tollgate-sidecar {name}"), cmd);
-        proc.wait_for_log("tollgate-sidecar started", Duration::from_secs(30));
-        self.sidecars.push((proc, listen, admin));
+            self.app_port,
+            self.balancer_port,
+            &token,
+            &["--redis", &redis, "--redis-timeout", "200ms"],
+        ));
     }
 
     /// The member count each sidecar was last told (its `tollgate_live_sidecars` gauge).
     fn members_seen(&self) -> Vec<u64> {
         self.sidecars
             .iter()
-            .map(|(_, _, admin)| {
+            .map(|s| {
                 metric(
                     &self.client,
-                    &format!("http://127.0.0.1:{admin}/metrics"),
+                    &format!("http://127.0.0.1:{}/metrics", s.admin),
                     "tollgate_live_sidecars",
                     POLICY,
                 )
@@ -274,20 +187,7 @@ fn peers(client: &reqwest::blocking::Client, r: &Replica) -> u64 {
 #[test]
 fn two_replicas_share_membership_status_and_the_global_limit() {
     let cp = ControlPlane::start();
-    let crd = repo_root().join("manifests/crds/tollgate.dev_ratelimitpolicies.yaml");
-    cp.ok(&["apply", "-f", crd.to_str().unwrap()]);
-    // Polled: `kubectl wait` fails outright if it runs before the CRD has any status.
-    wait("the CRD to be Established", Duration::from_secs(60), || {
-        let out = cp.kubectl(&[
-            "get",
-            "crd/ratelimitpolicies.tollgate.dev",
-            "-o",
-            "jsonpath={.status.conditions[?(@.type==\"Established\")].status}",
-        ]);
-        String::from_utf8_lossy(&out.stdout).trim() == "True"
-    });
-    cp.ok(&["create", "namespace", "shop"]);
-    cp.ok(&["create", "serviceaccount", "app", "-n", "shop"]);
+    install_crd_and_shop(&cp);
     cp.apply(&policy(40)).expect("apply policy");
 
     let (_redis, redis_port) = redis_server();
@@ -350,8 +250,8 @@ fn two_replicas_share_membership_status_and_the_global_limit() {
     let threads: Vec<_> = fleet
         .sidecars
         .iter()
-        .map(|(_, listen, _)| {
-            let (port, admitted, client) = (*listen, admitted.clone(), fleet.client.clone());
+        .map(|s| {
+            let (port, admitted, client) = (s.listen, admitted.clone(), fleet.client.clone());
             std::thread::spawn(move || {
                 for _ in 0..30 {
                     let ok = client

@@ -29,16 +29,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
-use tollgate_e2e::{ControlPlane, Proc, free_port, repo_root, workspace_bin};
+use tollgate_e2e::{ControlPlane, Proc, free_port, repo_root, serial, workspace_bin};
 
 const NS: &str = "tollgate-system";
 const CHART: &str = "charts/tollgate";
-
-/// One control plane at a time: the machine has two cores.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
