@@ -547,3 +547,20 @@ impl Sidecar {
         )
     }
 }
+
+/// Policy `shop/shop-api-keys`: `requests` a minute per `x-api-key` on the `app: shop-api` pods.
+pub fn shop_policy(requests: u64) -> String {
+    format!(
+        r#"apiVersion: tollgate.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {{name: shop-api-keys, namespace: shop}}
+spec:
+  targetRef:
+    selector: {{matchLabels: {{app: shop-api}}}}
+  rules:
+  - name: per-api-key
+    key: [{{header: x-api-key}}]
+    limit: {{requests: {requests}, period: 1m}}
+"#
+    )
+}

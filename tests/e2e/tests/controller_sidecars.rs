@@ -10,24 +10,8 @@ use std::time::{Duration, Instant};
 
 use tollgate_e2e::{
     ControlPlane, Proc, Sidecar, app, free_port, install_crd_and_shop, pod_with_token,
-    redis_server, serial, start_controller, wait,
+    redis_server, serial, shop_policy, start_controller, wait,
 };
-
-fn policy(requests: u64) -> String {
-    format!(
-        r#"apiVersion: tollgate.dev/v1alpha1
-kind: RateLimitPolicy
-metadata: {{name: shop-api-keys, namespace: shop}}
-spec:
-  targetRef:
-    selector: {{matchLabels: {{app: shop-api}}}}
-  rules:
-  - name: per-api-key
-    key: [{{header: x-api-key}}]
-    limit: {{requests: {requests}, period: 1m}}
-"#
-    )
-}
 
 fn get(client: &reqwest::blocking::Client, url: &str, key: &str) -> u16 {
     client
@@ -78,7 +62,7 @@ fn policies_reach_sidecars_hold_globally_and_report_status() {
     };
     let mut controller = start_controller();
 
-    cp.apply(&policy(30)).expect("apply policy");
+    cp.apply(&shop_policy(30)).expect("apply policy");
     let mut sidecars = Vec::new();
     for (i, token) in tokens.iter().enumerate() {
         let redis = format!("redis://127.0.0.1:{redis_port}");
@@ -175,7 +159,7 @@ fn policies_reach_sidecars_hold_globally_and_report_status() {
     let mut propagation = Vec::new();
     for (round, requests) in [(1, 60), (2, 90), (3, 120)] {
         let t0 = Instant::now();
-        cp.apply(&policy(requests)).expect("edit policy");
+        cp.apply(&shop_policy(requests)).expect("edit policy");
         for s in &sidecars {
             wait(
                 "the edit to reach a sidecar",
@@ -288,7 +272,8 @@ fn a_policy_edit_reaches_twenty_sidecars_within_a_second() {
         .timeout(Duration::from_secs(5))
         .build()
         .unwrap();
-    let local = |requests: u64| policy(requests).replace("limit: {", "scope: Local\n    limit: {");
+    let local =
+        |requests: u64| shop_policy(requests).replace("limit: {", "scope: Local\n    limit: {");
     cp.apply(&local(10)).expect("apply policy");
     for s in &sidecars {
         wait("sidecar ready", Duration::from_secs(30), || {

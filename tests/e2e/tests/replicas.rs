@@ -19,27 +19,11 @@ use std::time::{Duration, Instant};
 
 use tollgate_e2e::{
     ControlPlane, Proc, Sidecar, app, free_port, install_crd_and_shop, pod_with_token,
-    redis_server, start_controller, wait,
+    redis_server, shop_policy, start_controller, wait,
 };
 
 const POLICY: &str = "shop/shop-api-keys";
 const LEASE_SECONDS: u64 = 6;
-
-fn policy(requests: u64) -> String {
-    format!(
-        r#"apiVersion: tollgate.dev/v1alpha1
-kind: RateLimitPolicy
-metadata: {{name: shop-api-keys, namespace: shop}}
-spec:
-  targetRef:
-    selector: {{matchLabels: {{app: shop-api}}}}
-  rules:
-  - name: per-api-key
-    key: [{{header: x-api-key}}]
-    limit: {{requests: {requests}, period: 1m}}
-"#
-    )
-}
 
 /// Round-robin TCP balancer over `backends` (a Service's behaviour, per connection).
 fn balancer(backends: Vec<u16>) -> u16 {
@@ -188,7 +172,7 @@ fn peers(client: &reqwest::blocking::Client, r: &Replica) -> u64 {
 fn two_replicas_share_membership_status_and_the_global_limit() {
     let cp = ControlPlane::start();
     install_crd_and_shop(&cp);
-    cp.apply(&policy(40)).expect("apply policy");
+    cp.apply(&shop_policy(40)).expect("apply policy");
 
     let (_redis, redis_port) = redis_server();
     let (port_a, port_b) = (free_port(), free_port());
