@@ -124,6 +124,11 @@ pub async fn serve(
         .timer(TokioTimer::new())
         .max_header_list_size(shared.config.max_header_bytes as u32);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    // Tells connections still waiting for their first bytes that the server is stopping: they
+    // hold a graceful-shutdown watcher, so without this a client that opened a connection and
+    // sent nothing (a pre-warmed pool, a browser's speculative connection) delayed every
+    // shutdown by the header read timeout.
+    let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
     let head_timeout = shared.config.header_read_timeout;
     tokio::pin!(shutdown);
     loop {
@@ -149,14 +154,20 @@ pub async fn serve(
                 });
                 let builder = builder.clone();
                 let watcher = graceful.watcher();
+                let mut stopping = stopping.clone();
                 tokio::spawn(async move {
                     // hyper-util reads the first bytes (to tell HTTP/1 from HTTP/2) before the
                     // HTTP/1 header timer starts: bound that phase too, or a client that sends
                     // nothing holds the connection forever.
-                    match tokio::time::timeout(head_timeout, protocol_known(&stream)).await {
-                        Ok(true) => {}
-                        _ => {
-                            tracing::debug!(%peer, "client sent no request in time; closing");
+                    tokio::select! {
+                        known = tokio::time::timeout(head_timeout, protocol_known(&stream)) => {
+                            if !matches!(known, Ok(true)) {
+                                tracing::debug!(%peer, "client sent no request in time; closing");
+                                return;
+                            }
+                        }
+                        _ = stopping.wait_for(|stopping| *stopping) => {
+                            tracing::debug!(%peer, "stopping before the client sent a request; closing");
                             return;
                         }
                     }
@@ -170,6 +181,7 @@ pub async fn serve(
         }
     }
     drop(listener);
+    let _ = stopping_tx.send(true);
     if tokio::time::timeout(drain, graceful.shutdown())
         .await
         .is_err()

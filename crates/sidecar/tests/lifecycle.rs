@@ -494,3 +494,32 @@ async fn sigterm_drains_in_flight_requests_and_exits_cleanly() {
     })
     .await;
 }
+
+/// Idle clients do not hold up a shutdown: neither a kept-alive connection between requests nor
+/// one that was opened and never used (a pre-warmed pool). The second used to keep the sidecar
+/// alive until the header read timeout (10 s) because it held a graceful-shutdown watcher.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_does_not_wait_for_idle_or_unused_connections() {
+    within(60, async {
+        let up = Upstream::start().await;
+        let mut sc = Sidecar::start(&up.url(), &limit_policy(100, "1m"), &[]).await;
+        let c = client();
+        let resp = c.get(sc.url("/")).send().await.expect("request");
+        assert_eq!(resp.status(), 200);
+        let _unused = tokio::net::TcpStream::connect(sc.listen)
+            .await
+            .expect("connect");
+        // Let the sidecar accept it before the signal.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let started = std::time::Instant::now();
+        sc.terminate();
+        let exit = sc.wait_exit(Duration::from_secs(15)).await;
+        let took = started.elapsed();
+        assert_eq!(exit.code(), Some(0), "exit status {exit:?}");
+        assert!(
+            took < Duration::from_secs(3),
+            "shutdown took {took:?} with only idle connections open"
+        );
+    })
+    .await;
+}
