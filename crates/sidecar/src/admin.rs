@@ -13,19 +13,27 @@ use tokio::net::TcpListener;
 
 use crate::proxy::{Shared, is_ready};
 
-/// Serves the admin endpoints until the task is dropped.
-pub async fn serve(listener: TcpListener, shared: Arc<Shared>) {
+/// Serves the admin endpoints until the task is dropped. `/debug/*` answers only loopback
+/// clients unless `debug_remote` is set.
+pub async fn serve(listener: TcpListener, shared: Arc<Shared>, debug_remote: bool) {
     let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
+        let Ok((stream, peer)) = listener.accept().await else {
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             continue;
         };
         let shared = Arc::clone(&shared);
+        let debug_allowed = debug_remote || is_loopback(peer.ip());
         let service = hyper::service::service_fn(move |req| {
             let shared = Arc::clone(&shared);
             async move {
-                let resp = if req.uri().path() == "/debug/log-level" {
+                let resp = if req.uri().path().starts_with("/debug/") && !debug_allowed {
+                    text(
+                        StatusCode::FORBIDDEN,
+                        "/debug/* answers loopback clients only (kubectl port-forward or exec); \
+                         --admin-debug-remote opens it\n",
+                    )
+                } else if req.uri().path() == "/debug/log-level" {
                     log_level(req).await
                 } else {
                     route(&shared, &req)
@@ -150,6 +158,11 @@ async fn log_level(req: Request<Incoming>) -> Response<Full<Bytes>> {
     }
 }
 
+/// Loopback, including IPv4 loopback seen on a dual-stack socket (`::ffff:127.0.0.1`).
+fn is_loopback(ip: std::net::IpAddr) -> bool {
+    ip.to_canonical().is_loopback()
+}
+
 fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
     let mut resp = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
     *resp.status_mut() = status;
@@ -167,4 +180,25 @@ fn json(v: &serde_json::Value) -> Response<Full<Bytes>> {
         HeaderValue::from_static("application/json"),
     );
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_loopback;
+
+    #[test]
+    fn only_loopback_peers_count_as_local() {
+        for local in ["127.0.0.1", "127.3.2.1", "::1", "::ffff:127.0.0.1"] {
+            assert!(is_loopback(local.parse().unwrap()), "{local}");
+        }
+        for remote in [
+            "10.0.0.7",
+            "192.168.1.2",
+            "::ffff:10.0.0.7",
+            "fe80::1",
+            "0.0.0.0",
+        ] {
+            assert!(!is_loopback(remote.parse().unwrap()), "{remote}");
+        }
+    }
 }

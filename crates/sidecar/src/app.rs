@@ -132,7 +132,11 @@ pub async fn run(
         "tollgate-sidecar started"
     );
 
-    let admin_task = tokio::spawn(crate::admin::serve(admin, Arc::clone(&shared)));
+    let admin_task = tokio::spawn(crate::admin::serve(
+        admin,
+        Arc::clone(&shared),
+        args.admin_debug_remote,
+    ));
     let rules_task = match source {
         Source::Files(path) => tokio::spawn(reload_loop(
             Arc::clone(&shared),

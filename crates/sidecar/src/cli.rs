@@ -71,6 +71,13 @@ pub struct RunArgs {
     #[arg(long, env = "TOLLGATE_ADMIN", default_value = "127.0.0.1:9091")]
     pub admin: SocketAddr,
 
+    /// Answer /debug/* on the admin port from any address, not only loopback (where
+    /// `kubectl port-forward` and `kubectl exec` arrive). Off by default: in a pod the admin
+    /// port listens on the pod IP for the kubelet's probes and Prometheus, and
+    /// `PUT /debug/log-level` changes logging.
+    #[arg(long, env = "TOLLGATE_ADMIN_DEBUG_REMOTE")]
+    pub admin_debug_remote: bool,
+
     /// How long to wait for the upstream's response headers before answering 504.
     #[arg(long, env = "TOLLGATE_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub upstream_timeout: Duration,
