@@ -872,11 +872,20 @@ async fn redis_latency_plus_50ms() {
                 f.hot_slow.count(429) as f64 >= 0.3 * hot_slow,
                 "{mode:?}: over the limit, the hot key must get 429s from its lease"
             );
+            // No admitted hot request waited for the slow round trip (50 ms or more). A request
+            // that finds its lease dry may wait out the 20 ms request timeout and then, failing
+            // open, be admitted by the fallback: up to DRY_FRACTION of them, so that is the
+            // bound for the p99, and the typical request does not wait at all.
             assert!(
-                f.slow_p99 < f.base_p99 * 3 + Duration::from_millis(10),
-                "{mode:?}: hot-key p99 {:?} while Redis was slow vs {:?} before: requests waited on Redis",
+                f.slow_p99 < Duration::from_millis(45),
+                "{mode:?}: hot-key p99 {:?} while Redis was slow (before: {:?}): requests waited on Redis",
                 f.slow_p99,
                 f.base_p99
+            );
+            let slow_p50 = f.hot_slow.latency_pctl(200, 0.5);
+            assert!(
+                slow_p50 < Duration::from_millis(10),
+                "{mode:?}: hot-key median {slow_p50:?} while Redis was slow: requests waited on Redis"
             );
             // Cold keys follow the mode after the request timeout, without waiting the round trip.
             assert!(f.cold_slow.len() >= 10, "too few cold requests to judge");

@@ -373,7 +373,12 @@ impl GlobalRule {
         let target = slot.target.load(Ordering::Relaxed).min(self.share());
         let want = cost.saturating_sub(held).max(target.saturating_sub(held));
         match self
-            .call(self.op(field, group, want, 0, 0, false), timeout)
+            .call_for_slot(
+                &slot,
+                self.op(field, group, want, 0, 0, false),
+                now,
+                timeout,
+            )
             .await
         {
             Ok(r) => {
@@ -428,6 +433,78 @@ impl GlobalRule {
             give_back,
             back_window,
             all_or_nothing,
+        }
+    }
+
+    /// A lease call for a slot that outlives the request waiting for it: the request waits at
+    /// most `timeout`, the call may take up to the sync timeout, and a reply that lands after
+    /// the request gave up is credited to the slot (spent by later requests, or returned at the
+    /// next sync). Otherwise every timed-out call lost the tokens Redis had already taken for
+    /// it, so a slow Redis made the limit under-admit.
+    async fn call_for_slot(
+        &self,
+        slot: &Arc<Slot>,
+        op: LeaseOp,
+        now: Nanos,
+        timeout: Duration,
+    ) -> Result<LeaseReply, StoreError> {
+        let runtime = &self.runtime;
+        if !runtime.store.breaker.allow() {
+            return Err(StoreError::BreakerOpen);
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let call = {
+            let runtime = Arc::clone(runtime);
+            let slot = Arc::clone(slot);
+            let budget = runtime.settings.sync_timeout.max(timeout);
+            async move {
+                let started = std::time::Instant::now();
+                let result = runtime
+                    .store
+                    .lease_batch(std::slice::from_ref(&op), budget)
+                    .await
+                    .and_then(|mut replies| {
+                        replies
+                            .pop()
+                            .ok_or_else(|| StoreError::BadReply("empty".into()))
+                    });
+                let m = &runtime.metrics;
+                m.lease_seconds.observe(started.elapsed().as_secs_f64());
+                m.lease_calls.inc();
+                if let Ok(r) = &result {
+                    m.tokens_leased.inc_by(r.granted);
+                }
+                // The request stopped waiting: keep what Redis granted.
+                if let Err(Ok(r)) = tx.send(result) {
+                    let now = now.saturating_add(started.elapsed().as_nanos() as Nanos);
+                    slot.global_remaining.store(r.remaining, Ordering::Relaxed);
+                    slot.reset_ms.store(r.reset_ms, Ordering::Relaxed);
+                    slot.window.store(r.window, Ordering::Relaxed);
+                    slot.valid_until.store(
+                        now + runtime.settings.lease_ttl.as_nanos() as Nanos,
+                        Ordering::Release,
+                    );
+                    slot.tokens.fetch_add(r.granted, Ordering::AcqRel);
+                    m.tokens_late.inc_by(r.granted);
+                }
+            }
+        };
+        tokio::spawn(call);
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(result)) => {
+                if let Err(e) = &result {
+                    runtime.metrics.redis_error(e.kind());
+                }
+                result
+            }
+            Ok(Err(_)) => Err(StoreError::BadReply("lease call dropped".into())),
+            Err(_) => {
+                // Counted as a failure now, as if the call had been cut off: a Redis too slow
+                // for requests opens the breaker; the late reply closes it again.
+                runtime.store.breaker.failure();
+                runtime.metrics.redis_error("timeout");
+                Err(StoreError::Timeout(timeout))
+            }
         }
     }
 

@@ -41,6 +41,7 @@ pub struct GlobalMetrics {
     pub sync_rounds: Counter,
     pub tokens_leased: Counter,
     pub tokens_returned: Counter,
+    pub tokens_late: Counter,
     redis_errors: Family<KindLabels, Counter>,
     pub breaker_open: Gauge,
     pub fallback_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
@@ -57,6 +58,7 @@ impl GlobalMetrics {
             sync_rounds: Counter::default(),
             tokens_leased: Counter::default(),
             tokens_returned: Counter::default(),
+            tokens_late: Counter::default(),
             redis_errors: Family::default(),
             breaker_open: Gauge::default(),
             fallback_seconds: Counter::default(),
@@ -89,6 +91,11 @@ impl GlobalMetrics {
             "tokens_returned",
             "Unused tokens given back to global buckets",
             m.tokens_returned.clone(),
+        );
+        r.register(
+            "tokens_late_credited",
+            "Tokens granted by lease calls that answered after their request stopped waiting, kept for later requests instead of lost",
+            m.tokens_late.clone(),
         );
         r.register(
             "redis_errors",
