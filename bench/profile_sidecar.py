@@ -9,7 +9,8 @@ on CPU 1, both SCHED_FIFO like the benchmark, then
           grouped by crate (kernel, tokio, hyper, http, libc malloc/memcpy, ...) and the top
           user-space symbols;
   strace: `strace -c -f` during a 5k rps oha run; prints syscalls per request.
---peer profiles nginx proxy_pass + limit_req the same way, for comparison.
+--peer profiles nginx proxy_pass + limit_req the same way, for comparison. perf mode also
+lists the top kernel symbols (most of a proxy's CPU is in the kernel).
 
 Uses SIDECAR_BIN (default target/release/tollgate-sidecar) and OHA as bench/proxy.sh does.
 """
@@ -31,6 +32,7 @@ import proxy_bench as b  # noqa: E402
 def group(report: str, top: int) -> None:
     agg: collections.Counter = collections.Counter()
     syms = []
+    ksyms = []
     for line in report.splitlines():
         m = re.match(r"\s*([\d.]+)%\s+(\S+)\s+\[(.)\]\s+(.*)", line)
         if not m:
@@ -38,6 +40,7 @@ def group(report: str, top: int) -> None:
         pct, dso, kind, sym = float(m.group(1)), m.group(2), m.group(3), m.group(4).strip()
         if kind == "k":
             key = "kernel"
+            ksyms.append((pct, sym))
         elif "libc" in dso:
             if re.search(r"malloc|free|_int_|consolidate|tcache|realloc|unlink_chunk", sym):
                 key = "libc malloc/free"
@@ -54,6 +57,11 @@ def group(report: str, top: int) -> None:
         print(f"  {v:6.2f}%  {k}")
     print("top user-space symbols:")
     for pct, sym in sorted(syms, reverse=True)[:top]:
+        print(f"  {pct:6.2f}%  {sym[:150]}")
+    # Kernel time is most of a proxy's CPU; comparing these with --peer shows whether the
+    # difference is in the syscalls themselves or in what triggers them.
+    print("top kernel symbols:")
+    for pct, sym in sorted(ksyms, reverse=True)[:top]:
         print(f"  {pct:6.2f}%  {sym[:150]}")
 
 

@@ -17,3 +17,4 @@ pub mod response;
 pub mod rules;
 pub mod telemetry;
 pub mod topkeys;
+pub mod upstream;

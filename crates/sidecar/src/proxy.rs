@@ -19,8 +19,6 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri};
 use http_body_util::Full;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tollgate_crd::compiled::{Mode, ResponseHeaders};
@@ -31,6 +29,7 @@ use crate::metrics::Metrics;
 use crate::response;
 use crate::rules::{KeyHasher, RuleSet};
 use crate::telemetry;
+use crate::upstream::{Lease, Upstream};
 use tracing::Instrument;
 
 /// Settings of the proxy path.
@@ -57,9 +56,9 @@ pub struct Shared {
     pub config_error: ArcSwapOption<String>,
     /// The global limiter, when Redis is configured (for `/debug/config`).
     pub global: std::sync::OnceLock<Arc<crate::global::GlobalRuntime>>,
-    client: Client<HttpConnector, Incoming>,
-    upstream_scheme: http::uri::Scheme,
-    upstream_authority: http::uri::Authority,
+    upstream: Upstream,
+    /// `Host` for requests that arrive without one (HTTP/1.0, HTTP/2 without `:authority`).
+    upstream_host: HeaderValue,
 }
 
 impl Shared {
@@ -79,14 +78,16 @@ impl Shared {
             config.upstream.authority().cloned().ok_or_else(|| {
                 anyhow::anyhow!("--upstream {} has no host:port", config.upstream)
             })?;
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(Duration::from_secs(5)));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .pool_timer(TokioTimer::new())
-            .timer(TokioTimer::new())
-            .build(connector);
+        let host = authority.host();
+        let port = authority.port_u16().unwrap_or(80);
+        // As hyper-util's client did: the port only when it is not the scheme's default.
+        let host_header = if port == 80 {
+            host.to_string()
+        } else {
+            format!("{host}:{port}")
+        };
+        let upstream_host = HeaderValue::from_str(&host_header)
+            .map_err(|_| anyhow::anyhow!("--upstream {}: invalid host", config.upstream))?;
         Ok(Shared {
             rules: ArcSwap::from_pointee(RuleSet::empty()),
             metrics,
@@ -97,9 +98,8 @@ impl Shared {
             ready: AtomicBool::new(false),
             config_error: ArcSwapOption::empty(),
             global: std::sync::OnceLock::new(),
-            client,
-            upstream_scheme: scheme,
-            upstream_authority: authority,
+            upstream: Upstream::new(format!("{host}:{port}")),
+            upstream_host,
         })
     }
 }
@@ -296,25 +296,22 @@ async fn handle_inner(
     }
 
     let inbound_upgrade = is_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
-    let mut upstream_req = match to_upstream(req, &peer, peer_ip, &shared) {
-        Ok(r) => r,
-        Err(resp) => return local(resp),
-    };
+    let mut upstream_req = to_upstream(req, &peer, peer_ip, &shared);
     if let Some(span) = span {
         telemetry::inject(span, upstream_req.headers_mut());
     }
     let t0 = shared.clock.now();
     let result = tokio::time::timeout(
         shared.config.upstream_timeout,
-        shared.client.request(upstream_req),
+        shared.upstream.send(upstream_req),
     )
     .await;
     shared
         .metrics
         .upstream_seconds
         .observe(shared.clock.now().saturating_sub(t0) as f64 / 1e9);
-    let mut resp = match result {
-        Ok(Ok(resp)) => resp,
+    let (mut resp, lease) = match result {
+        Ok(Ok(x)) => x,
         Ok(Err(e)) => {
             shared.metrics.upstream_error("connect");
             tracing::warn!(error = %e, upstream = %shared.config.upstream, "upstream request failed");
@@ -334,7 +331,10 @@ async fn handle_inner(
         }
     };
 
+    let mut lease = Some(lease);
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        // The connection now belongs to the upgraded stream, never to the pool.
+        lease = None;
         if let Some(inbound) = inbound_upgrade {
             let outbound = hyper::upgrade::on(&mut resp);
             tokio::spawn(async move {
@@ -370,6 +370,7 @@ async fn handle_inner(
     resp.map(|body| ProxyBody::Upstream {
         body,
         permits: verdict.permits,
+        lease,
     })
 }
 
@@ -384,39 +385,35 @@ fn is_upgrade(headers: &HeaderMap) -> bool {
 }
 
 /// Turns the inbound request into the upstream request.
-#[allow(clippy::result_large_err)]
 fn to_upstream(
     req: Request<Incoming>,
     peer: &SocketAddr,
     peer_ip: Option<HeaderValue>,
     shared: &Shared,
-) -> Result<Request<Incoming>, Response<Bytes>> {
+) -> Request<Incoming> {
     let (mut parts, body) = req.into_parts();
     let upgrade = is_upgrade(&parts.headers);
     let upgrade_proto = parts.headers.get(header::UPGRADE).cloned();
-    let path_and_query = parts
-        .uri
-        .path_and_query()
-        .cloned()
-        .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
-    if parts.headers.get(header::HOST).is_none()
-        && let Some(auth) = parts.uri.authority()
-        && let Ok(v) = HeaderValue::from_str(auth.as_str())
-    {
-        parts.headers.insert(header::HOST, v);
+    if !parts.headers.contains_key(header::HOST) {
+        let host = parts
+            .uri
+            .authority()
+            .and_then(|auth| HeaderValue::from_str(auth.as_str()).ok())
+            .unwrap_or_else(|| shared.upstream_host.clone());
+        parts.headers.insert(header::HOST, host);
     }
-    parts.uri = Uri::builder()
-        .scheme(shared.upstream_scheme.clone())
-        .authority(shared.upstream_authority.clone())
-        .path_and_query(path_and_query)
-        .build()
-        .map_err(|_| {
-            response::problem(
-                StatusCode::BAD_REQUEST,
-                "Bad Request",
-                "Invalid request target.",
-            )
-        })?;
+    // The app gets origin-form (`/path?query`). HTTP/1 clients almost always send that already,
+    // so only absolute-form targets (HTTP/2, proxy-style requests) are rebuilt.
+    if parts.uri.scheme().is_some() || parts.uri.authority().is_some() {
+        let path_and_query = parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+        parts.uri = Uri::from(path_and_query);
+    } else if parts.uri.path_and_query().is_none() {
+        parts.uri = Uri::from_static("/");
+    }
     // The upstream connection is always HTTP/1.1, whatever the client spoke.
     parts.version = http::Version::HTTP_11;
     strip_hop_by_hop(&mut parts.headers);
@@ -427,7 +424,7 @@ fn to_upstream(
             .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     }
     append_forwarded_for(&mut parts.headers, peer, peer_ip);
-    Ok(Request::from_parts(parts, body))
+    Request::from_parts(parts, body)
 }
 
 static HOP_BY_HOP: [HeaderName; 8] = [
@@ -441,20 +438,48 @@ static HOP_BY_HOP: [HeaderName; 8] = [
     header::UPGRADE,
 ];
 
-/// Removes hop-by-hop headers, including any named in `Connection`.
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|s| s.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
+/// Position of `name` in [`HOP_BY_HOP`]. The length test rejects nearly every other header
+/// without comparing names.
+fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
+    match name.as_str().len() {
+        2 | 7 | 10 | 16 | 17 | 18 => HOP_BY_HOP.iter().position(|h| h == name),
+        _ => None,
     }
-    for name in &HOP_BY_HOP {
-        headers.remove(name);
+}
+
+/// Removes hop-by-hop headers, including any named in `Connection`. One pass over the names
+/// finds which are present, so a message without them (most requests) costs no hash lookups,
+/// and one with only `Connection: keep-alive` (most responses) costs two.
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let mut present = 0u8;
+    for name in headers.keys() {
+        if let Some(i) = hop_by_hop_index(name) {
+            present |= 1 << i;
+        }
+    }
+    if present == 0 {
+        return;
+    }
+    // HOP_BY_HOP[0] is `Connection`: the headers it names go too.
+    if present & 1 != 0 {
+        let mut values = headers.get_all(header::CONNECTION).iter();
+        let first = values.next().cloned();
+        // Rare: more than one `Connection` line (an empty Vec does not allocate).
+        let more: Vec<HeaderValue> = values.cloned().collect();
+        for v in first.iter().chain(&more) {
+            for token in v.to_str().unwrap_or_default().split(',') {
+                let token = token.trim();
+                // Parsed on the stack; invalid names match nothing.
+                if !token.is_empty() {
+                    headers.remove(token);
+                }
+            }
+        }
+    }
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << i) != 0 {
+            headers.remove(name);
+        }
     }
 }
 
@@ -490,14 +515,18 @@ fn local(resp: Response<Bytes>) -> Response<ProxyBody> {
     resp.map(|b| ProxyBody::Local { body: Full::new(b) })
 }
 
-pin_project_lite::pin_project! {
-    /// The response body: streamed from the upstream (holding the request's concurrency permits
-    /// until it completes or the client goes away) or generated here.
-    #[project = ProxyBodyProj]
-    pub enum ProxyBody {
-        Upstream { #[pin] body: Incoming, permits: Vec<Permit> },
-        Local { #[pin] body: Full<Bytes> },
-    }
+/// The response body: streamed from the upstream (holding the request's concurrency permits
+/// and the app connection until it completes or the client goes away) or generated here.
+pub enum ProxyBody {
+    Upstream {
+        body: Incoming,
+        permits: Vec<Permit>,
+        /// Returned to the pool once `body` has been read to the end; closed otherwise.
+        lease: Option<Lease>,
+    },
+    Local {
+        body: Full<Bytes>,
+    },
 }
 
 impl Body for ProxyBody {
@@ -508,9 +537,18 @@ impl Body for ProxyBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        match self.project() {
-            ProxyBodyProj::Upstream { body, .. } => body.poll_frame(cx),
-            ProxyBodyProj::Local { body } => match body.poll_frame(cx) {
+        // Both bodies are Unpin.
+        match self.get_mut() {
+            ProxyBody::Upstream { body, lease, .. } => {
+                let frame = Pin::new(&mut *body).poll_frame(cx);
+                if let Poll::Ready(None) = frame
+                    && let Some(lease) = lease
+                {
+                    lease.release();
+                }
+                frame
+            }
+            ProxyBody::Local { body } => match Pin::new(body).poll_frame(cx) {
                 Poll::Ready(Some(Ok(f))) => Poll::Ready(Some(Ok(f))),
                 Poll::Ready(Some(Err(never))) => match never {},
                 Poll::Ready(None) => Poll::Ready(None),
@@ -530,6 +568,22 @@ impl Body for ProxyBody {
         match self {
             ProxyBody::Upstream { body, .. } => body.size_hint(),
             ProxyBody::Local { body } => body.size_hint(),
+        }
+    }
+}
+
+impl Drop for ProxyBody {
+    /// hyper stops polling a body once `is_end_stream` says it is done (a Content-Length body
+    /// after its last byte, an empty one at once), so the end is also noticed here.
+    fn drop(&mut self) {
+        if let ProxyBody::Upstream {
+            body,
+            lease: Some(lease),
+            ..
+        } = self
+            && body.is_end_stream()
+        {
+            lease.release();
         }
     }
 }

@@ -7,7 +7,7 @@
 //!   IETF httpapi draft fields.
 //! - The body is RFC 9457 `application/problem+json` naming the rule and the limit.
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use tollgate_crd::compiled::CompiledRule;
 use tollgate_limiter::{Decision, NEVER, Nanos};
@@ -42,16 +42,43 @@ pub fn retry_after_secs(retry_after: Nanos, key_hash: u64) -> u64 {
 }
 
 /// Adds the RateLimit header set for one rule's decision.
+///
+/// Runs on every admitted and every rejected request, so the four varying values are written
+/// into one buffer and handed out as slices of it: two allocations instead of five (one per
+/// number and two for the formatted `RateLimit` item).
 pub fn add_ratelimit_headers(headers: &mut HeaderMap, rule: &ActiveRule, d: &Decision) {
     let reset = ceil_secs(d.reset, 0);
-    headers.insert(RATELIMIT_LIMIT.clone(), HeaderValue::from(d.limit));
-    headers.insert(RATELIMIT_REMAINING.clone(), HeaderValue::from(d.remaining));
-    headers.insert(RATELIMIT_RESET.clone(), HeaderValue::from(reset));
+    let name = rule.rule.name.as_bytes();
+    let mut num = itoa::Buffer::new();
+    let mut buf = BytesMut::with_capacity(3 * 20 + 2 * 20 + name.len() + 8);
+    buf.extend_from_slice(num.format(d.limit).as_bytes());
+    let limit = buf.split().freeze();
+    let remaining = num.format(d.remaining).as_bytes();
+    buf.extend_from_slice(remaining);
+    let remaining_value = buf.split().freeze();
+    let reset_str = num.format(reset).as_bytes();
+    buf.extend_from_slice(reset_str);
+    let reset_value = buf.split().freeze();
+    buf.extend_from_slice(b"\"");
+    buf.extend_from_slice(name);
+    buf.extend_from_slice(b"\";r=");
+    buf.extend_from_slice(&remaining_value);
+    buf.extend_from_slice(b";t=");
+    buf.extend_from_slice(&reset_value);
+    let item = buf.freeze();
+    headers.reserve(5);
+    // Digits are always valid header values; only the rule name could make the item invalid.
+    for (name, value) in [
+        (&RATELIMIT_LIMIT, limit),
+        (&RATELIMIT_REMAINING, remaining_value),
+        (&RATELIMIT_RESET, reset_value),
+    ] {
+        if let Ok(v) = HeaderValue::from_maybe_shared(value) {
+            headers.insert(name.clone(), v);
+        }
+    }
     headers.insert(RATELIMIT_POLICY.clone(), rule.policy_item.clone());
-    if let Ok(v) = HeaderValue::from_str(&format!(
-        "\"{}\";r={};t={}",
-        rule.rule.name, d.remaining, reset
-    )) {
+    if let Ok(v) = HeaderValue::from_maybe_shared(item) {
         headers.insert(RATELIMIT.clone(), v);
     }
 }
