@@ -469,8 +469,14 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
         for v in first.iter().chain(&more) {
             for token in v.to_str().unwrap_or_default().split(',') {
                 let token = token.trim();
-                // Parsed on the stack; invalid names match nothing.
-                if !token.is_empty() {
+                // `close` names no header and hop-by-hop names go below anyway: only other
+                // names need a lookup (parsed on the stack; invalid names match nothing).
+                if !token.is_empty()
+                    && !token.eq_ignore_ascii_case("close")
+                    && !HOP_BY_HOP
+                        .iter()
+                        .any(|h| token.eq_ignore_ascii_case(h.as_str()))
+                {
                     headers.remove(token);
                 }
             }
