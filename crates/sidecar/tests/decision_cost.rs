@@ -182,11 +182,13 @@ async fn rejected_requests_cost_fewer_instructions_than_admitted() {
         // Measured: 0.46–0.51× in the debug build, 0.67× in the release build (the bench's
         // nginx app sends more headers than this test's: 0.55× there); about 1.05× in release
         // before the 429 body stopped going through serde_json::Value (estimated: that saved
-        // ~16k instructions per rejection). How often the event loop idles between requests
-        // depends on timing and moves a count by several percent, hence the margins. The test
-        // and the sidecar share the build profile.
+        // ~16k instructions per rejection). Since the upstream pool made admitted requests
+        // cheaper: 0.47–0.83× in debug over 16 runs (0.66× in release, bench/cpu_per_decision.py).
+        // How often the event loop idles between requests depends on timing and moves a count
+        // by several percent (in debug, where every park is expensive, by up to a third), hence
+        // the margins. The test and the sidecar share the build profile.
         let (profile, max_ratio) = if cfg!(debug_assertions) {
-            ("debug", 0.75)
+            ("debug", 0.9)
         } else {
             ("release", 0.9)
         };
