@@ -478,3 +478,50 @@ async fn silent_and_idle_connections_are_cut_off() {
     })
     .await;
 }
+
+/// Connections to the app are kept alive and reused: sequential requests share one, and
+/// concurrent clients need about one each, not one per request (a connect per request would
+/// double the sidecar's system calls and exhaust the app's ports under load).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_connections_are_reused() {
+    within(60, async {
+        let up = Upstream::start().await;
+        let sc = Sidecar::start(&up.url(), &roomy_policy(), &[]).await;
+        let c = client();
+        for _ in 0..200 {
+            let r = c.get(sc.url("/")).send().await.expect("request");
+            assert_eq!(r.status(), 200);
+            r.bytes().await.expect("body");
+        }
+        assert_eq!(up.hits(), 200);
+        assert!(
+            up.connections() <= 2,
+            "200 sequential requests opened {} connections to the app",
+            up.connections()
+        );
+
+        let before = up.connections();
+        let tasks: Vec<_> = (0..8)
+            .map(|_| {
+                let (c, url) = (client(), sc.url("/"));
+                tokio::spawn(async move {
+                    for _ in 0..50 {
+                        let r = c.get(&url).send().await.expect("request");
+                        assert_eq!(r.status(), 200);
+                        r.bytes().await.expect("body");
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.expect("client task");
+        }
+        assert_eq!(up.hits(), 600);
+        let opened = up.connections() - before;
+        assert!(
+            opened <= 16,
+            "8 concurrent clients x 50 requests opened {opened} more connections to the app"
+        );
+    })
+    .await;
+}

@@ -536,6 +536,8 @@ pub struct UpstreamState {
     pub hits: AtomicUsize,
     /// Requests currently being handled (`/slow`, `/hold`).
     pub in_flight: AtomicUsize,
+    /// TCP connections accepted (keep-alive reuse shows as few connections, many hits).
+    pub connections: AtomicUsize,
     release: watch::Sender<bool>,
 }
 
@@ -568,6 +570,7 @@ impl Upstream {
         let state = Arc::new(UpstreamState {
             hits: AtomicUsize::new(0),
             in_flight: AtomicUsize::new(0),
+            connections: AtomicUsize::new(0),
             release,
         });
         let st = Arc::clone(&state);
@@ -576,6 +579,7 @@ impl Upstream {
                 let Ok((stream, _)) = listener.accept().await else {
                     continue;
                 };
+                st.connections.fetch_add(1, Ordering::SeqCst);
                 let st = Arc::clone(&st);
                 let service = hyper::service::service_fn(move |req| {
                     let st = Arc::clone(&st);
@@ -608,6 +612,10 @@ impl Upstream {
 
     pub fn hits(&self) -> usize {
         self.state.hits.load(Ordering::SeqCst)
+    }
+
+    pub fn connections(&self) -> usize {
+        self.state.connections.load(Ordering::SeqCst)
     }
 }
 
