@@ -39,8 +39,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+from proxy_bench import http_get, wait_http  # noqa: E402 (bench/ is the script's directory)
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -151,32 +152,6 @@ def cleanup() -> None:
         stop(p, timeout=5)
 
 
-def http_get(url: str, timeout: float = 1.0) -> tuple[int, str]:
-    req = urllib.request.Request(url)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode(errors="replace")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
-
-
-def wait_ready(url: str, proc: subprocess.Popen, what: str, secs: float = 60) -> None:
-    deadline = time.time() + secs
-    last = None
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode} during start-up")
-        try:
-            code, _ = http_get(url)
-            if code == 200:
-                return
-            last = f"HTTP {code}"
-        except Exception as e:  # noqa: BLE001 - start-up polling
-            last = str(e)
-        time.sleep(0.1)
-    raise RuntimeError(f"{what} not ready at {url}: {last}")
-
-
 def metric(admin: str, name: str, labels: dict[str, str]) -> float:
     _, text = http_get(f"{admin}/metrics", timeout=5)
     total = 0.0
@@ -211,7 +186,7 @@ http {{
 """)
     p = spawn([NGINX, "-p", str(work), "-e", str(work / "app-error.log"), "-c", str(conf),
                "-g", "daemon off;"], work / "app.log", GEN_CPU)
-    wait_ready(f"http://127.0.0.1:{port}/", p, "app nginx", secs=10)
+    wait_http(f"http://127.0.0.1:{port}/", p, "app nginx", secs=10)
     return p, port
 
 
@@ -339,7 +314,7 @@ def measure_time(bin_: str, work: Path, app_port: int) -> dict:
     for case in CASES:
         argv, port, admin = sidecar_argv(bin_, work, case, app_port)
         p = spawn(argv, work / f"time-{case}.log", SUT_CPU)
-        wait_ready(f"http://127.0.0.1:{admin}/readyz", p, f"sidecar ({case})")
+        wait_http(f"http://127.0.0.1:{admin}/readyz", p, f"sidecar ({case})", secs=60)
         procs[case] = (p, port, f"http://127.0.0.1:{admin}")
     res: dict = {case: {"us_per_request": [], "statuses": []} for case in CASES}
     for rep in range(REPS):
