@@ -15,6 +15,12 @@ pub struct Args {
     #[arg(long, env = "TOLLGATE_LISTEN", default_value = "0.0.0.0:8090")]
     pub listen: SocketAddr,
 
+    /// Also serve the rule stream (and the same endpoints) over TLS on this address, with the
+    /// webhook's serving certificate from `--webhook-cert-dir` (self-signed or cert-manager);
+    /// injected sidecars then connect with https and trust that certificate's CA.
+    #[arg(long, env = "TOLLGATE_TLS_LISTEN")]
+    pub tls_listen: Option<SocketAddr>,
+
     /// Namespaces to watch (repeat the flag or separate with commas); all namespaces if unset.
     #[arg(long = "namespace", env = "TOLLGATE_NAMESPACES", value_delimiter = ',')]
     pub namespaces: Vec<String>,

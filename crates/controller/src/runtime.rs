@@ -211,7 +211,22 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .with_metrics(metrics.clone()),
     );
     // Admission webhooks (their metrics join the registry before the server takes it).
-    crate::webhook::start(&client, &args.webhook, &mut registry, shutdown_rx.clone()).await?;
+    let certs =
+        crate::webhook::start(&client, &args.webhook, &mut registry, shutdown_rx.clone()).await?;
+    let tls_listener = match (args.tls_listen, &certs) {
+        (None, _) => None,
+        (Some(addr), Some(certs)) => {
+            let tls = Arc::new(crate::webhook::tls::server_config(certs.clone())?);
+            let listener = TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr} (--tls-listen)"))?;
+            tracing::info!(listen = %addr, "serving rule streams over TLS too");
+            Some((listener, tls))
+        }
+        (Some(_), None) => anyhow::bail!(
+            "--tls-listen serves the webhook's certificate: it needs --webhook-cert-dir"
+        ),
+    };
 
     let listener = TcpListener::bind(args.listen)
         .await
@@ -236,7 +251,22 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             tx.send_replace(true);
         }
     };
+    let tls_task = tls_listener.map(|(listener, tls)| {
+        let mut stop = shutdown_rx.clone();
+        let stopped = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        tokio::spawn(
+            server
+                .clone()
+                .serve_tls(listener, tls, stopped)
+                .instrument(tracing::info_span!("stream-tls")),
+        )
+    });
     server.serve(listener, signal).await?;
+    if let Some(task) = tls_task {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), task).await;
+    }
     shutdown_tx.send_replace(true);
     if let Some(task) = leader_task {
         let _ = tokio::time::timeout(std::time::Duration::from_secs(10), task).await;

@@ -39,6 +39,9 @@ use crate::metrics::{Metrics, OpenStream};
 /// Response body type of every endpoint.
 pub type Body = UnsyncBoxBody<Bytes, Infallible>;
 
+/// Bound on a TLS handshake, so a client that connects and stalls cannot hold a task.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Default interval between heartbeats on an idle stream.
 pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(5);
 /// Default wait for a pod the pod watch has not delivered yet.
@@ -113,6 +116,27 @@ impl Server {
         listener: TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> std::io::Result<()> {
+        self.serve_with(listener, None, shutdown).await
+    }
+
+    /// [`Server::serve`] over TLS (`--tls-listen`): the same endpoints, so a sidecar's bearer
+    /// token and its rules never cross the network in the clear.
+    pub async fn serve_tls(
+        self,
+        listener: TcpListener,
+        tls: Arc<rustls::ServerConfig>,
+        shutdown: impl Future<Output = ()>,
+    ) -> std::io::Result<()> {
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+        self.serve_with(listener, Some(acceptor), shutdown).await
+    }
+
+    async fn serve_with(
+        self,
+        listener: TcpListener,
+        tls: Option<tokio_rustls::TlsAcceptor>,
+        shutdown: impl Future<Output = ()>,
+    ) -> std::io::Result<()> {
         let graceful = GracefulShutdown::new();
         let mut builder = auto::Builder::new(TokioExecutor::new());
         builder
@@ -144,10 +168,29 @@ impl Server {
                         let server = server.clone();
                         async move { Ok::<_, Infallible>(server.handle(req).await) }
                     });
-                    let conn = builder.serve_connection(TokioIo::new(stream), svc).into_owned();
-                    let conn = graceful.watch(conn);
+                    let Some(acceptor) = tls.clone() else {
+                        let conn = builder.serve_connection(TokioIo::new(stream), svc).into_owned();
+                        let conn = graceful.watch(conn);
+                        tokio::spawn(async move {
+                            if let Err(error) = conn.await {
+                                tracing::debug!(%peer, %error, "connection ended with an error");
+                            }
+                        });
+                        continue;
+                    };
+                    let builder = builder.clone();
+                    let watcher = graceful.watcher();
                     tokio::spawn(async move {
-                        if let Err(error) = conn.await {
+                        let stream = match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                            Ok(Ok(s)) => s,
+                            Ok(Err(error)) => {
+                                tracing::debug!(%peer, %error, "TLS handshake failed");
+                                return;
+                            }
+                            Err(_) => return,
+                        };
+                        let conn = builder.serve_connection(TokioIo::new(stream), svc).into_owned();
+                        if let Err(error) = watcher.watch(conn).await {
                             tracing::debug!(%peer, %error, "connection ended with an error");
                         }
                     });

@@ -44,11 +44,31 @@ pub async fn run(
                 .context("--controller needs --pod-name (TOLLGATE_POD_NAME)")?,
             token_file: args.token_file.clone(),
             idle_timeout: args.controller_idle_timeout,
+            ca_pem: match (&args.controller_ca, &args.controller_ca_file) {
+                (Some(pem), _) => Some(pem.as_bytes().to_vec()),
+                (None, Some(path)) => Some(std::fs::read(path).with_context(|| {
+                    format!("--controller-ca-file {}: cannot read", path.display())
+                })?),
+                (None, None) => None,
+            },
         }),
         _ => anyhow::bail!(
             "give exactly one rule source: --policies FILE_OR_DIR (standalone) or --controller URL"
         ),
     };
+
+    if let Source::Controller(ControllerConfig {
+        ca_pem: Some(pem), ..
+    }) = &source
+    {
+        // Refused at start-up rather than by every reconnect.
+        match reqwest::Certificate::from_pem_bundle(pem) {
+            Ok(roots) if !roots.is_empty() => {}
+            _ => anyhow::bail!(
+                "--controller-ca / --controller-ca-file: no PEM certificate in what was given"
+            ),
+        }
+    }
 
     let metrics = Metrics::new();
     let shared = Arc::new(Shared::new(

@@ -127,6 +127,20 @@ pub struct RunArgs {
     #[arg(long, env = "TOLLGATE_CONTROLLER_URL", conflicts_with = "policies")]
     pub controller: Option<String>,
 
+    /// PEM CA certificate(s) an `https://` controller must chain to, instead of the system
+    /// roots (the injection webhook sets this to the controller's CA).
+    #[arg(
+        long,
+        env = "TOLLGATE_CONTROLLER_CA",
+        hide_env_values = true,
+        conflicts_with = "controller_ca_file"
+    )]
+    pub controller_ca: Option<String>,
+
+    /// File with the PEM CA certificate(s) an `https://` controller must chain to.
+    #[arg(long, env = "TOLLGATE_CONTROLLER_CA_FILE")]
+    pub controller_ca_file: Option<PathBuf>,
+
     /// This pod's name (downward API `metadata.name`), sent to the controller.
     #[arg(long, env = "TOLLGATE_POD_NAME")]
     pub pod_name: Option<String>,

@@ -973,3 +973,193 @@ fn chart_passes_redis_credentials_as_secret_references_only() {
         }
     }
 }
+
+/// A CA and a serving certificate for 127.0.0.1 in `dir` as `tls.crt`, `tls.key` and `ca.crt`
+/// (the layout of the webhook's certificate directory), made with `openssl`.
+fn serving_pki(dir: &Path, cn: &str) {
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl is needed: apt-get install openssl (./tools/test-all.sh does)");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            text(&out.stderr)
+        );
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        &format!("/CN={cn}-ca"),
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        "tls.key",
+        "-out",
+        "tls.csr",
+        "-subj",
+        &format!("/CN={cn}"),
+    ]);
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
+    )
+    .expect("write ext.cnf");
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "tls.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "tls.crt",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    ]);
+}
+
+/// `--tls-listen`: the rule stream over TLS with the webhook's certificate. A sidecar that
+/// trusts the CA gets its rules and enforces them; one that trusts another CA gets nothing (and
+/// says why), and a plain-HTTP client cannot talk to the TLS port.
+#[test]
+fn rule_stream_over_tls_needs_the_controllers_ca() {
+    let _serial = serial();
+    let cp = ControlPlane::start();
+    tollgate_e2e::install_crd_and_shop(&cp);
+    cp.apply(&tollgate_e2e::shop_policy(3))
+        .expect("apply policy");
+    let work = tempfile::tempdir().expect("temp dir");
+    let (certs, other) = (work.path().join("certs"), work.path().join("other"));
+    for (dir, cn) in [(&certs, "tollgate-controller"), (&other, "someone-else")] {
+        std::fs::create_dir_all(dir).expect("mkdir");
+        serving_pki(dir, cn);
+    }
+    let (port, tls_port, webhook_port) = (free_port(), free_port(), free_port());
+    let controller = tollgate_e2e::start_controller(
+        &cp,
+        "controller-tls",
+        port,
+        &[
+            "--webhook-cert-dir",
+            certs.to_str().expect("path"),
+            "--webhook-listen",
+            &format!("127.0.0.1:{webhook_port}"),
+            "--tls-listen",
+            &format!("127.0.0.1:{tls_port}"),
+        ],
+    );
+    controller.wait_for_log("serving rule streams over TLS too", Duration::from_secs(10));
+    let app = tollgate_e2e::app();
+    let url = format!("https://127.0.0.1:{tls_port}");
+    // `ca` is `--controller-ca=PEM` (the PEM itself, what the webhook injects as
+    // TOLLGATE_CONTROLLER_CA) or `--controller-ca-file=PATH`.
+    let sidecar = |pod: &str, ca: &str| {
+        let token = tollgate_e2e::pod_with_token(&cp, pod, work.path());
+        tollgate_e2e::Sidecar::start(
+            &format!("tollgate-sidecar {pod}"),
+            &format!("http://127.0.0.1:{app}"),
+            &[
+                "--controller",
+                &url,
+                ca,
+                "--pod-name",
+                pod,
+                "--pod-namespace",
+                "shop",
+                "--token-file",
+                token.to_str().expect("path"),
+                "--log-format",
+                "json",
+            ],
+        )
+    };
+    let http = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .expect("client");
+    let ready = |admin: u16| {
+        http.get(format!("http://127.0.0.1:{admin}/readyz"))
+            .send()
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0)
+    };
+
+    let ca_pem = std::fs::read_to_string(certs.join("ca.crt")).expect("read ca.crt");
+    let trusted = sidecar("tls-api-1", &format!("--controller-ca={ca_pem}"));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while ready(trusted.admin) != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "no rules over TLS: {:?}",
+            trusted.proc.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let statuses: Vec<u16> = (0..4)
+        .map(|_| {
+            http.get(format!("http://127.0.0.1:{}/", trusted.listen))
+                .header("x-api-key", "tls-client")
+                .send()
+                .expect("request")
+                .status()
+                .as_u16()
+        })
+        .collect();
+    assert_eq!(
+        statuses,
+        [200, 200, 200, 429],
+        "rules from the TLS stream are enforced"
+    );
+
+    let untrusted = sidecar(
+        "tls-api-2",
+        &format!("--controller-ca-file={}", other.join("ca.crt").display()),
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        ready(untrusted.admin),
+        503,
+        "a sidecar that does not trust the CA has no rules"
+    );
+    let logs = untrusted.proc.logs().join("\n");
+    assert!(
+        logs.contains("rule stream interrupted"),
+        "the refused connection is logged: {logs}"
+    );
+
+    // Plain HTTP to the TLS port gets no rule stream.
+    let plain = http
+        .get(format!("http://127.0.0.1:{tls_port}/healthz"))
+        .send()
+        .map(|r| r.status().as_u16());
+    assert!(
+        !matches!(plain, Ok(200)),
+        "plain HTTP answered on the TLS port: {plain:?}"
+    );
+}

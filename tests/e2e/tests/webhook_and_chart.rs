@@ -313,7 +313,7 @@ fn install_yaml_is_exactly_helm_template_output() {
 fn helm_lint_passes_with_default_and_full_values() {
     for set in [
         "",
-        "replicas=3,networkPolicy.enabled=true,serviceMonitor.enabled=true,redis.dev.enabled=true,tracing.otlpEndpoint=http://otel:4318",
+        "replicas=3,networkPolicy.enabled=true,serviceMonitor.enabled=true,redis.dev.enabled=true,tracing.otlpEndpoint=http://otel:4318,streamTLS.enabled=true",
         "certManager.enabled=true,controller.watchNamespaces={a,b},redis.url=rediss://r:6380,redis.auth.secretName=redis",
     ] {
         let mut args = vec!["lint", CHART, "--strict"];
@@ -328,6 +328,54 @@ fn helm_lint_passes_with_default_and_full_values() {
             text(&out.stderr)
         );
     }
+}
+
+/// `streamTLS.enabled` adds the TLS listener, its container, Service and NetworkPolicy ports,
+/// and points injected sidecars at it with https; off (the default) none of it is rendered.
+#[test]
+fn stream_tls_value_switches_the_sidecars_to_https() {
+    let render = |set: &str| {
+        let out = helm_offline(&[
+            "template",
+            "tollgate",
+            CHART,
+            "--namespace",
+            NS,
+            "--set",
+            set,
+        ]);
+        assert!(
+            out.status.success(),
+            "helm template --set {set}: {}",
+            text(&out.stderr)
+        );
+        text(&out.stdout)
+    };
+    let on = render("streamTLS.enabled=true,networkPolicy.enabled=true");
+    for needle in [
+        "- --tls-listen=0.0.0.0:8443",
+        "- --sidecar-controller-url=https://tollgate-controller.tollgate-system.svc:8443",
+        "- name: stream-tls\n              containerPort: 8443",
+        "- name: stream-tls\n      port: 8443\n      targetPort: stream-tls",
+        "- port: stream-tls",
+    ] {
+        assert!(
+            on.contains(needle),
+            "missing {needle:?} with streamTLS.enabled:\n{on}"
+        );
+    }
+    assert!(!on.contains("--sidecar-controller-url=http://"), "{on}");
+    let off = render("networkPolicy.enabled=true");
+    assert!(
+        !off.contains("stream-tls") && !off.contains("--tls-listen"),
+        "{off}"
+    );
+    assert!(
+        off.contains(
+            "- --sidecar-controller-url=http://tollgate-controller.tollgate-system.svc:8090"
+        ),
+        "{off}"
+    );
 }
 
 #[test]

@@ -254,6 +254,7 @@ impl WebhookArgs {
             resources: self.sidecar_resources.clone(),
             redis,
             extra_args: self.sidecar_args.clone(),
+            controller_ca: None,
         };
         cfg.check()?;
         Ok(cfg)

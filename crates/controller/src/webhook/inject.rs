@@ -67,6 +67,9 @@ pub struct InjectConfig {
     pub resources: ResourceRequirements,
     pub redis: Option<RedisConfig>,
     pub extra_args: Vec<String>,
+    /// PEM CA of an `https://` controller URL, given to the sidecar as `TOLLGATE_CONTROLLER_CA`
+    /// (public material; set per review from the current certificate directory).
+    pub controller_ca: Option<String>,
 }
 
 /// Redis settings passed to the sidecar. Secrets and certificates reach it as files from
@@ -154,6 +157,7 @@ impl InjectConfig {
             .expect("resources"),
             redis: None,
             extra_args: Vec::new(),
+            controller_ca: None,
         }
     }
 }
@@ -589,6 +593,13 @@ pub fn sidecar_container(cfg: &InjectConfig, plan: &Plan) -> Container {
         field_env("TOLLGATE_POD_NAME", "metadata.name"),
         field_env("TOLLGATE_POD_NAMESPACE", "metadata.namespace"),
     ];
+    if let Some(ca) = &cfg.controller_ca {
+        env.push(EnvVar {
+            name: "TOLLGATE_CONTROLLER_CA".into(),
+            value: Some(ca.clone()),
+            ..Default::default()
+        });
+    }
     let mut mounts = vec![VolumeMount {
         name: TOKEN_VOLUME.to_string(),
         mount_path: TOKEN_DIR.to_string(),

@@ -114,6 +114,9 @@ impl WebhookMetrics {
 pub struct Handler {
     inject: Arc<InjectConfig>,
     metrics: WebhookMetrics,
+    /// `ca.crt` of the serving certificate, read at every review when the sidecars' controller
+    /// URL is `https://` (the stream's TLS listener serves the same certificate).
+    controller_ca_file: Option<std::path::PathBuf>,
 }
 
 impl Handler {
@@ -121,6 +124,33 @@ impl Handler {
         Handler {
             inject: Arc::new(inject),
             metrics,
+            controller_ca_file: None,
+        }
+    }
+
+    /// Injects the CA in `file` into sidecars that talk `https://` to the controller.
+    pub fn with_controller_ca_file(mut self, file: std::path::PathBuf) -> Handler {
+        self.controller_ca_file = Some(file);
+        self
+    }
+
+    /// The injection settings for this review: with the current CA for an https controller.
+    /// A CA that cannot be read is logged and left out; the pod is injected all the same (its
+    /// sidecar then cannot verify the controller and keeps retrying, which its readiness shows).
+    fn inject_config(&self) -> std::borrow::Cow<'_, InjectConfig> {
+        let Some(file) = &self.controller_ca_file else {
+            return std::borrow::Cow::Borrowed(&self.inject);
+        };
+        match std::fs::read_to_string(file) {
+            Ok(pem) if pem.contains("-----BEGIN CERTIFICATE-----") => {
+                let mut cfg = (*self.inject).clone();
+                cfg.controller_ca = Some(pem);
+                std::borrow::Cow::Owned(cfg)
+            }
+            Ok(_) | Err(_) => {
+                tracing::warn!(file = %file.display(), "no controller CA to give the sidecar; injecting without it");
+                std::borrow::Cow::Borrowed(&self.inject)
+            }
         }
     }
 
@@ -187,7 +217,7 @@ impl Handler {
             .or_else(|| obj.metadata.generate_name.as_ref().map(|g| format!("{g}*")))
             .unwrap_or_default();
         let outcome = serde_json::to_value(obj)
-            .and_then(|raw| inject::inject(&raw, namespace_opted_in, &self.inject));
+            .and_then(|raw| inject::inject(&raw, namespace_opted_in, &self.inject_config()));
         match outcome {
             Ok(Outcome::Injected(patch)) => match res.clone().with_patch(patch) {
                 Ok(patched) => {
@@ -348,15 +378,16 @@ pub async fn serve(
 
 /// Starts the webhook server (and the self-signed certificate manager) when
 /// `--webhook-cert-dir` is set. Call before the registry is handed to the rule-stream server.
+/// Returns the serving certificate (kept current), which the rule stream's TLS listener shares.
 pub async fn start(
     client: &kube::Client,
     args: &WebhookArgs,
     registry: &mut Registry,
     shutdown: watch::Receiver<bool>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Option<Arc<CertStore>>> {
     let Some(dir) = args.webhook_cert_dir.clone() else {
         tracing::info!("admission webhooks off (no --webhook-cert-dir)");
-        return Ok(());
+        return Ok(None);
     };
     let config = args.inject_config()?;
     let metrics = WebhookMetrics::register(registry);
@@ -393,14 +424,21 @@ pub async fn start(
     tokio::spawn(
         store
             .clone()
-            .watch_dir(dir, args.webhook_cert_reload_interval, shutdown.clone())
+            .watch_dir(
+                dir.clone(),
+                args.webhook_cert_reload_interval,
+                shutdown.clone(),
+            )
             .instrument(tracing::info_span!("webhook-tls")),
     );
+    let mut handler = Handler::new(config.clone(), metrics);
+    if config.controller_url.starts_with("https://") {
+        handler = handler.with_controller_ca_file(dir.join(tls::CA_FILE));
+    }
     tokio::spawn(
-        serve(listener, tls, Handler::new(config, metrics), shutdown)
-            .instrument(tracing::info_span!("webhook")),
+        serve(listener, tls, handler, shutdown).instrument(tracing::info_span!("webhook")),
     );
-    Ok(())
+    Ok(Some(store))
 }
 
 #[cfg(test)]

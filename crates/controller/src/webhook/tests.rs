@@ -79,6 +79,59 @@ fn namespace_path_injects_and_pod_path_needs_the_pod_opt_in() {
     assert_eq!(h.metrics.count("inject", "not_opted_in"), 1);
 }
 
+/// The sidecar env of the patch `h` makes for a namespace-injected pod.
+fn injected_env(h: &Handler) -> Vec<Value> {
+    let body = review(
+        PATH_INJECT_NAMESPACE,
+        ("", "v1", "Pod"),
+        "CREATE",
+        pod(json!({})),
+    );
+    let r = response(h.review(PATH_INJECT_NAMESPACE, &body).unwrap());
+    let bytes: Vec<u8> = serde_json::from_value(r["patch"].clone()).unwrap();
+    let ops: Vec<Value> = serde_json::from_slice(&bytes).unwrap();
+    let init = ops
+        .iter()
+        .find(|op| op["path"] == "/spec/initContainers")
+        .expect("init containers added");
+    init["value"][0]["env"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+#[test]
+fn an_https_controller_url_gives_sidecars_the_current_ca() {
+    let dir = std::env::temp_dir().join(format!("tollgate-ca-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ca = dir.join("ca.crt");
+    let _ = std::fs::remove_file(&ca);
+    let mut cfg = InjectConfig::example();
+    cfg.controller_url = "https://tollgate-controller.tollgate-system.svc:8443".into();
+    let h = Handler::new(cfg, WebhookMetrics::default()).with_controller_ca_file(ca.clone());
+    let ca_env = |env: &[Value]| {
+        env.iter()
+            .find(|e| e["name"] == "TOLLGATE_CONTROLLER_CA")
+            .map(|e| e["value"].as_str().unwrap_or_default().to_string())
+    };
+
+    // No CA yet (self-signed certificate still being issued): injected all the same, without.
+    assert_eq!(ca_env(&injected_env(&h)), None);
+
+    let first = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
+    std::fs::write(&ca, first).unwrap();
+    assert_eq!(ca_env(&injected_env(&h)).as_deref(), Some(first));
+
+    // A renewed CA bundle reaches pods created from then on, without a restart.
+    let renewed = format!("{first}-----BEGIN CERTIFICATE-----\nBBBB\n-----END CERTIFICATE-----\n");
+    std::fs::write(&ca, &renewed).unwrap();
+    assert_eq!(ca_env(&injected_env(&h)), Some(renewed));
+
+    // Plain http: no CA, whatever the directory holds.
+    assert_eq!(ca_env(&injected_env(&handler())), None);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn never_denies_pods_and_warns_when_asked_but_impossible() {
     let h = handler();
