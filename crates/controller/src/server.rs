@@ -39,9 +39,6 @@ use crate::metrics::{Metrics, OpenStream};
 /// Response body type of every endpoint.
 pub type Body = UnsyncBoxBody<Bytes, Infallible>;
 
-/// Bound on a TLS handshake, so a client that connects and stalls cannot hold a task.
-const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// Default interval between heartbeats on an idle stream.
 pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(5);
 /// Default wait for a pod the pod watch has not delivered yet.
@@ -181,13 +178,10 @@ impl Server {
                     let builder = builder.clone();
                     let watcher = graceful.watcher();
                     tokio::spawn(async move {
-                        let stream = match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                            Ok(Ok(s)) => s,
-                            Ok(Err(error)) => {
-                                tracing::debug!(%peer, %error, "TLS handshake failed");
-                                return;
-                            }
-                            Err(_) => return,
+                        let Some(stream) =
+                            crate::webhook::tls::accept(&acceptor, stream, peer, "rule stream").await
+                        else {
+                            return;
                         };
                         let conn = builder.serve_connection(TokioIo::new(stream), svc).into_owned();
                         if let Err(error) = watcher.watch(conn).await {

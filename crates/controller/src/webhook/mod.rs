@@ -62,8 +62,6 @@ pub const PATH_INJECT_POD: &str = "/inject/pod";
 pub const PATH_VALIDATE_POLICY: &str = "/validate-ratelimitpolicy";
 /// Largest AdmissionReview accepted (objects are at most ~1.5 MiB in etcd).
 const MAX_BODY_BYTES: usize = 4 << 20;
-/// How long a client may take for the TLS handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 // === metrics ===
 
@@ -357,13 +355,8 @@ pub async fn serve(
         let acceptor = acceptor.clone();
         let handler = handler.clone();
         tokio::spawn(async move {
-            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                Ok(Ok(s)) => s,
-                Ok(Err(error)) => {
-                    tracing::debug!(%peer, %error, "webhook TLS handshake failed");
-                    return;
-                }
-                Err(_) => return,
+            let Some(stream) = tls::accept(&acceptor, tcp, peer, "webhook").await else {
+                return;
             };
             let service = hyper::service::service_fn(move |req| {
                 let handler = handler.clone();

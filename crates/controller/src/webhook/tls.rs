@@ -16,6 +16,30 @@ use rustls::sign::CertifiedKey;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
+/// Bound on a TLS handshake, so a client that connects and stalls cannot hold a task.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Completes the server side of a TLS handshake on `tcp` (webhook and rule-stream listeners);
+/// `None`, logged at debug with `what`, if it fails or stalls past [`HANDSHAKE_TIMEOUT`].
+pub async fn accept(
+    acceptor: &tokio_rustls::TlsAcceptor,
+    tcp: tokio::net::TcpStream,
+    peer: std::net::SocketAddr,
+    what: &str,
+) -> Option<tokio_rustls::server::TlsStream<tokio::net::TcpStream>> {
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+        Ok(Ok(stream)) => Some(stream),
+        Ok(Err(error)) => {
+            tracing::debug!(%peer, %error, "{what} TLS handshake failed");
+            None
+        }
+        Err(_) => {
+            tracing::debug!(%peer, "{what} TLS handshake timed out");
+            None
+        }
+    }
+}
+
 /// File names in the certificate directory (the `kubernetes.io/tls` Secret keys).
 pub const CERT_FILE: &str = "tls.crt";
 pub const KEY_FILE: &str = "tls.key";
