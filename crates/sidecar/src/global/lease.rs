@@ -39,6 +39,13 @@ pub struct LeaseSettings {
     pub lease_ttl: Duration,
 }
 
+impl LeaseSettings {
+    /// Until when a lease confirmed by Redis at `now` may be spent.
+    fn lease_until(&self, now: Nanos) -> Nanos {
+        now + self.lease_ttl.as_nanos() as Nanos
+    }
+}
+
 /// The shared runtime: Redis, settings, metrics and the wake-up for early syncs.
 pub struct GlobalRuntime {
     pub store: Store,
@@ -76,6 +83,18 @@ pub struct Slot {
     /// the key with "empty" because that top-up took the last tokens: they are on their way to
     /// this slot, so the request waits for the sync instead of answering 429.
     topping_up: AtomicBool,
+}
+
+impl Slot {
+    /// Takes in a reply of Redis for this key: the bucket's state, a lease valid until
+    /// `valid_until`, and the tokens granted.
+    fn credit(&self, r: &LeaseReply, valid_until: Nanos) {
+        self.global_remaining.store(r.remaining, Ordering::Relaxed);
+        self.reset_ms.store(r.reset_ms, Ordering::Relaxed);
+        self.window.store(r.window, Ordering::Relaxed);
+        self.valid_until.store(valid_until, Ordering::Release);
+        self.tokens.fetch_add(r.granted, Ordering::AcqRel);
+    }
 }
 
 /// What a request may do without awaiting anything.
@@ -382,8 +401,7 @@ impl GlobalRule {
             .await
         {
             Ok(r) => {
-                self.apply(&slot, &r, now);
-                slot.tokens.fetch_add(r.granted, Ordering::AcqRel);
+                slot.credit(&r, self.runtime.settings.lease_until(now));
                 if let Some(d) = self.spend(&slot, now, cost) {
                     return LocalOutcome::Decided(d);
                 }
@@ -459,33 +477,12 @@ impl GlobalRule {
             let budget = runtime.settings.sync_timeout.max(timeout);
             async move {
                 let started = std::time::Instant::now();
-                let result = runtime
-                    .store
-                    .lease_batch(std::slice::from_ref(&op), budget)
-                    .await
-                    .and_then(|mut replies| {
-                        replies
-                            .pop()
-                            .ok_or_else(|| StoreError::BadReply("empty".into()))
-                    });
-                let m = &runtime.metrics;
-                m.lease_seconds.observe(started.elapsed().as_secs_f64());
-                m.lease_calls.inc();
-                if let Ok(r) = &result {
-                    m.tokens_leased.inc_by(r.granted);
-                }
+                let result = lease_one(&runtime, &op, budget).await;
                 // The request stopped waiting: keep what Redis granted.
                 if let Err(Ok(r)) = tx.send(result) {
                     let now = now.saturating_add(started.elapsed().as_nanos() as Nanos);
-                    slot.global_remaining.store(r.remaining, Ordering::Relaxed);
-                    slot.reset_ms.store(r.reset_ms, Ordering::Relaxed);
-                    slot.window.store(r.window, Ordering::Relaxed);
-                    slot.valid_until.store(
-                        now + runtime.settings.lease_ttl.as_nanos() as Nanos,
-                        Ordering::Release,
-                    );
-                    slot.tokens.fetch_add(r.granted, Ordering::AcqRel);
-                    m.tokens_late.inc_by(r.granted);
+                    slot.credit(&r, runtime.settings.lease_until(now));
+                    runtime.metrics.tokens_late.inc_by(r.granted);
                 }
             }
         };
@@ -509,28 +506,15 @@ impl GlobalRule {
     }
 
     async fn call(&self, op: LeaseOp, timeout: Duration) -> Result<LeaseReply, StoreError> {
-        let store = &self.runtime.store;
-        if !store.breaker.allow() {
+        let runtime = &self.runtime;
+        if !runtime.store.breaker.allow() {
             return Err(StoreError::BreakerOpen);
         }
-        let started = std::time::Instant::now();
-        let result = store.lease_batch(std::slice::from_ref(&op), timeout).await;
-        let m = &self.runtime.metrics;
-        m.lease_seconds.observe(started.elapsed().as_secs_f64());
-        m.lease_calls.inc();
-        match result {
-            Ok(mut replies) => {
-                let r = replies
-                    .pop()
-                    .ok_or_else(|| StoreError::BadReply("empty".into()))?;
-                m.tokens_leased.inc_by(r.granted);
-                Ok(r)
-            }
-            Err(e) => {
-                m.redis_error(e.kind());
-                Err(e)
-            }
+        let result = lease_one(runtime, &op, timeout).await;
+        if let Err(e) = &result {
+            runtime.metrics.redis_error(e.kind());
         }
+        result
     }
 
     fn decision_from(&self, r: &LeaseReply, allowed: bool) -> Decision {
@@ -546,16 +530,6 @@ impl GlobalRule {
             },
             delay: 0,
         }
-    }
-
-    fn apply(&self, slot: &Slot, r: &LeaseReply, now: Nanos) {
-        slot.global_remaining.store(r.remaining, Ordering::Relaxed);
-        slot.reset_ms.store(r.reset_ms, Ordering::Relaxed);
-        slot.window.store(r.window, Ordering::Relaxed);
-        slot.valid_until.store(
-            now + self.runtime.settings.lease_ttl.as_nanos() as Nanos,
-            Ordering::Release,
-        );
     }
 
     /// Plans this rule's part of a sync round: returns and top-ups per key, and drops keys that
@@ -619,10 +593,7 @@ impl GlobalRule {
     /// The caller signals `GlobalRuntime::synced` once the whole round is applied.
     pub fn finish_sync(&self, slot: &Slot, op: &LeaseOp, reply: Option<&LeaseReply>, now: Nanos) {
         match reply {
-            Some(r) => {
-                self.apply(slot, r, now);
-                slot.tokens.fetch_add(r.granted, Ordering::AcqRel);
-            }
+            Some(r) => slot.credit(r, self.runtime.settings.lease_until(now)),
             // The return did not reach Redis: keep the tokens (they were taken legitimately).
             None => {
                 slot.tokens.fetch_add(op.give_back, Ordering::AcqRel);
@@ -634,7 +605,7 @@ impl GlobalRule {
     /// Extends the validity of every held lease after a successful round trip proved Redis
     /// reachable.
     pub fn refresh_validity(&self, now: Nanos) {
-        let until = now + self.runtime.settings.lease_ttl.as_nanos() as Nanos;
+        let until = self.runtime.settings.lease_until(now);
         for shard in &self.shards {
             for slot in shard.lock().values() {
                 slot.valid_until.store(until, Ordering::Release);
@@ -667,6 +638,32 @@ impl GlobalRule {
         }
         ops
     }
+}
+
+/// One request-path lease call and its metrics (latency, calls, tokens leased); errors are
+/// counted by the caller, which knows whether anyone waited for the answer.
+async fn lease_one(
+    runtime: &GlobalRuntime,
+    op: &LeaseOp,
+    timeout: Duration,
+) -> Result<LeaseReply, StoreError> {
+    let started = std::time::Instant::now();
+    let result = runtime
+        .store
+        .lease_batch(std::slice::from_ref(op), timeout)
+        .await
+        .and_then(|mut replies| {
+            replies
+                .pop()
+                .ok_or_else(|| StoreError::BadReply("empty".into()))
+        });
+    let m = &runtime.metrics;
+    m.lease_seconds.observe(started.elapsed().as_secs_f64());
+    m.lease_calls.inc();
+    if let Ok(r) = &result {
+        m.tokens_leased.inc_by(r.granted);
+    }
+    result
 }
 
 /// Atomically takes up to `n` from `a`; returns how much was taken.
