@@ -41,22 +41,32 @@ fn response(r: AdmissionReview<DynamicObject>) -> Value {
     serde_json::to_value(r).unwrap()["response"].clone()
 }
 
-#[test]
-fn namespace_path_injects_and_pod_path_needs_the_pod_opt_in() {
-    let h = handler();
-    let body = review(
+/// The JSON patch operations of a response. kube-core sends the patch bytes as a JSON array of
+/// numbers (Go decodes []byte from both).
+fn patch_ops(r: &Value) -> Vec<Value> {
+    let bytes: Vec<u8> = serde_json::from_value(r["patch"].clone()).unwrap();
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+/// A review of a plain pod creation on the namespace-opt-in path.
+fn namespace_review() -> Vec<u8> {
+    review(
         PATH_INJECT_NAMESPACE,
         ("", "v1", "Pod"),
         "CREATE",
         pod(json!({})),
-    );
+    )
+}
+
+#[test]
+fn namespace_path_injects_and_pod_path_needs_the_pod_opt_in() {
+    let h = handler();
+    let body = namespace_review();
     let r = response(h.review(PATH_INJECT_NAMESPACE, &body).unwrap());
     assert_eq!(r["allowed"], true);
     assert_eq!(r["uid"], "uid-/inject/namespace");
     assert_eq!(r["patchType"], "JSONPatch");
-    // kube-core sends the patch bytes as a JSON array of numbers (Go decodes []byte from both).
-    let bytes: Vec<u8> = serde_json::from_value(r["patch"].clone()).unwrap();
-    let ops: Vec<Value> = serde_json::from_slice(&bytes).unwrap();
+    let ops = patch_ops(&r);
     assert!(
         ops.iter().any(|op| op["path"] == "/spec/initContainers"),
         "{ops:?}"
@@ -81,15 +91,11 @@ fn namespace_path_injects_and_pod_path_needs_the_pod_opt_in() {
 
 /// The sidecar env of the patch `h` makes for a namespace-injected pod.
 fn injected_env(h: &Handler) -> Vec<Value> {
-    let body = review(
-        PATH_INJECT_NAMESPACE,
-        ("", "v1", "Pod"),
-        "CREATE",
-        pod(json!({})),
+    let r = response(
+        h.review(PATH_INJECT_NAMESPACE, &namespace_review())
+            .unwrap(),
     );
-    let r = response(h.review(PATH_INJECT_NAMESPACE, &body).unwrap());
-    let bytes: Vec<u8> = serde_json::from_value(r["patch"].clone()).unwrap();
-    let ops: Vec<Value> = serde_json::from_slice(&bytes).unwrap();
+    let ops = patch_ops(&r);
     let init = ops
         .iter()
         .find(|op| op["path"] == "/spec/initContainers")
