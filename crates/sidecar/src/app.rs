@@ -22,6 +22,23 @@ use crate::rules::RuleSet;
 /// How often idle keys are evicted from the in-memory limiters.
 const EVICT_INTERVAL: Duration = Duration::from_secs(10);
 
+/// The CA an `https://` controller must chain to, from `--controller-ca` (PEM) or
+/// `--controller-ca-file`; parsed once here, so a bad one stops start-up with a clear error.
+fn controller_ca(args: &RunArgs) -> anyhow::Result<Option<Vec<reqwest::Certificate>>> {
+    let pem = match (&args.controller_ca, &args.controller_ca_file) {
+        (Some(pem), _) => pem.as_bytes().to_vec(),
+        (None, Some(path)) => std::fs::read(path)
+            .with_context(|| format!("--controller-ca-file {}: cannot read", path.display()))?,
+        (None, None) => return Ok(None),
+    };
+    match reqwest::Certificate::from_pem_bundle(&pem) {
+        Ok(roots) if !roots.is_empty() => Ok(Some(roots)),
+        _ => anyhow::bail!(
+            "--controller-ca / --controller-ca-file: no PEM certificate in what was given"
+        ),
+    }
+}
+
 /// Runs the sidecar until `shutdown` resolves.
 pub async fn run(
     args: RunArgs,
@@ -44,31 +61,12 @@ pub async fn run(
                 .context("--controller needs --pod-name (TOLLGATE_POD_NAME)")?,
             token_file: args.token_file.clone(),
             idle_timeout: args.controller_idle_timeout,
-            ca_pem: match (&args.controller_ca, &args.controller_ca_file) {
-                (Some(pem), _) => Some(pem.as_bytes().to_vec()),
-                (None, Some(path)) => Some(std::fs::read(path).with_context(|| {
-                    format!("--controller-ca-file {}: cannot read", path.display())
-                })?),
-                (None, None) => None,
-            },
+            ca: controller_ca(&args)?,
         }),
         _ => anyhow::bail!(
             "give exactly one rule source: --policies FILE_OR_DIR (standalone) or --controller URL"
         ),
     };
-
-    if let Source::Controller(ControllerConfig {
-        ca_pem: Some(pem), ..
-    }) = &source
-    {
-        // Refused at start-up rather than by every reconnect.
-        match reqwest::Certificate::from_pem_bundle(pem) {
-            Ok(roots) if !roots.is_empty() => {}
-            _ => anyhow::bail!(
-                "--controller-ca / --controller-ca-file: no PEM certificate in what was given"
-            ),
-        }
-    }
 
     let metrics = Metrics::new();
     let shared = Arc::new(Shared::new(

@@ -26,8 +26,8 @@ pub struct ControllerConfig {
     pub token_file: PathBuf,
     /// Reconnect when nothing (not even a heartbeat) arrived for this long.
     pub idle_timeout: Duration,
-    /// PEM CA bundle an `https://` controller must chain to (replaces the system roots).
-    pub ca_pem: Option<Vec<u8>>,
+    /// CA certificates an `https://` controller must chain to (they replace the system roots).
+    pub ca: Option<Vec<reqwest::Certificate>>,
 }
 
 /// What the stream delivers to the rest of the sidecar.
@@ -55,19 +55,10 @@ pub async fn run(config: ControllerConfig, shared: Arc<Shared>, apply: Arc<dyn A
     if config.url.starts_with("http://") {
         builder = builder.http2_prior_knowledge();
     }
-    if let Some(pem) = &config.ca_pem {
-        let roots = match reqwest::Certificate::from_pem_bundle(pem) {
-            Ok(roots) if !roots.is_empty() => roots,
-            Ok(_) | Err(_) => {
-                tracing::error!(
-                    "the controller CA (--controller-ca / --controller-ca-file) holds no PEM certificate"
-                );
-                return;
-            }
-        };
+    if let Some(roots) = &config.ca {
         builder = builder.tls_built_in_root_certs(false);
         for root in roots {
-            builder = builder.add_root_certificate(root);
+            builder = builder.add_root_certificate(root.clone());
         }
     }
     let client = match builder.build() {
