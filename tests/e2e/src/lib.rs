@@ -441,7 +441,8 @@ pub fn pod_with_token(cp: &ControlPlane, name: &str, dir: &Path) -> PathBuf {
     path
 }
 
-/// An upstream app answering 200 to everything, one request per connection.
+/// An upstream app answering 200 to everything, with keep-alive (so the sidecar's pool reuses
+/// connections and the app costs little CPU).
 pub fn app() -> u16 {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind app");
@@ -452,15 +453,20 @@ pub fn app() -> u16 {
             std::thread::spawn(move || {
                 let mut buf = [0u8; 4096];
                 let mut seen = Vec::new();
-                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                loop {
+                    while let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                        seen.drain(..end + 4);
+                        if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
                     match s.read(&mut buf) {
                         Ok(0) | Err(_) => return,
                         Ok(n) => seen.extend_from_slice(&buf[..n]),
                     }
                 }
-                let _ = s.write_all(
-                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
-                );
             });
         }
     });
@@ -527,9 +533,20 @@ impl Sidecar {
         extra: &[&str],
     ) -> Sidecar {
         let controller = format!("http://127.0.0.1:{controller_port}");
+        Sidecar::for_pod_at(pod, app_port, &controller, token, extra)
+    }
+
+    /// [`Sidecar::for_pod`] with the controller at `controller` (e.g. an `https://` URL).
+    pub fn for_pod_at(
+        pod: &str,
+        app_port: u16,
+        controller: &str,
+        token: &Path,
+        extra: &[&str],
+    ) -> Sidecar {
         let mut args = vec![
             "--controller",
-            &controller,
+            controller,
             "--pod-name",
             pod,
             "--pod-namespace",
@@ -545,6 +562,29 @@ impl Sidecar {
             &format!("http://127.0.0.1:{app_port}"),
             &args,
         )
+    }
+}
+
+impl Sidecar {
+    /// The status of `/readyz` (200 once the sidecar holds rules), 0 if it did not answer.
+    pub fn readyz(&self) -> u16 {
+        static CLIENT: std::sync::OnceLock<reqwest::blocking::Client> = std::sync::OnceLock::new();
+        let client = CLIENT.get_or_init(|| {
+            reqwest::blocking::Client::builder()
+                .timeout(std::time::Duration::from_secs(5))
+                .build()
+                .expect("HTTP client")
+        });
+        client
+            .get(format!("http://127.0.0.1:{}/readyz", self.admin))
+            .send()
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0)
+    }
+
+    /// Waits until the sidecar holds rules (`/readyz` 200).
+    pub fn wait_ready(&self, what: &str, timeout: std::time::Duration) {
+        wait(what, timeout, || self.readyz() == 200);
     }
 }
 

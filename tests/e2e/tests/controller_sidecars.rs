@@ -79,16 +79,9 @@ fn policies_reach_sidecars_hold_globally_and_report_status() {
         .build()
         .unwrap();
     for s in &sidecars {
-        wait(
+        s.wait_ready(
             "sidecar ready with rules from the controller",
             Duration::from_secs(20),
-            || {
-                client
-                    .get(format!("http://127.0.0.1:{}/readyz", s.admin))
-                    .send()
-                    .map(|r| r.status() == 200)
-                    .unwrap_or(false)
-            },
         );
     }
 
@@ -276,13 +269,7 @@ fn a_policy_edit_reaches_twenty_sidecars_within_a_second() {
         |requests: u64| shop_policy(requests).replace("limit: {", "scope: Local\n    limit: {");
     cp.apply(&local(10)).expect("apply policy");
     for s in &sidecars {
-        wait("sidecar ready", Duration::from_secs(30), || {
-            client
-                .get(format!("http://127.0.0.1:{}/readyz", s.admin))
-                .send()
-                .map(|r| r.status() == 200)
-                .unwrap_or(false)
-        });
+        s.wait_ready("sidecar ready", Duration::from_secs(30));
     }
     // Time from `kubectl apply` returning to the last of 20 sidecars enforcing the edit.
     let mut times = Vec::new();
@@ -387,13 +374,7 @@ spec:
         .build()
         .unwrap();
     for s in &sidecars {
-        wait("sidecar ready", Duration::from_secs(30), || {
-            client
-                .get(format!("http://127.0.0.1:{}/readyz", s.admin))
-                .send()
-                .map(|r| r.status() == 200)
-                .unwrap_or(false)
-        });
+        s.wait_ready("sidecar ready", Duration::from_secs(30));
     }
 
     // (a) A client at 10 req/s (half its limit), then at 60 req/s (6x) for 2 s.

@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tollgate_e2e::{
-    ControlPlane, Proc, Sidecar, free_port, install_crd_and_shop, pod_with_token, redis_server,
-    serial, start_controller, wait,
+    ControlPlane, Proc, Sidecar, app, free_port, install_crd_and_shop, pod_with_token,
+    redis_server, serial, start_controller, wait,
 };
 
 const POLICY: &str = "shop/matrix";
@@ -29,37 +29,6 @@ const SLACK: f64 = 5.0;
 
 // ---------------------------------------------------------------------------------------------
 // Processes
-
-/// An upstream app answering 200 to everything (keep-alive, so the sidecar's pool reuses
-/// connections and the app costs little CPU).
-fn app() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind app");
-    let port = listener.local_addr().expect("addr").port();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut s) = stream else { continue };
-            std::thread::spawn(move || {
-                let mut buf = [0u8; 4096];
-                let mut seen = Vec::new();
-                loop {
-                    while let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
-                        seen.drain(..end + 4);
-                        if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                            .is_err()
-                        {
-                            return;
-                        }
-                    }
-                    match s.read(&mut buf) {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => seen.extend_from_slice(&buf[..n]),
-                    }
-                }
-            });
-        }
-    });
-    port
-}
 
 /// A TCP relay on loopback that delays every chunk by `delay_ms` (changeable while running), in
 /// both directions: a slow counter store without touching Redis. Stops accepting when dropped.
@@ -221,12 +190,7 @@ impl Cluster {
             c.sidecar(i, app_port, sidecar_args);
         }
         for s in &c.sidecars {
-            wait("sidecar ready", Duration::from_secs(30), || {
-                c.client
-                    .get(format!("http://127.0.0.1:{}/readyz", s.admin))
-                    .send()
-                    .is_ok_and(|r| r.status() == 200)
-            });
+            s.wait_ready("sidecar ready", Duration::from_secs(30));
         }
         c.wait_members(n, Duration::from_secs(30));
         c

@@ -1081,39 +1081,17 @@ fn rule_stream_over_tls_needs_the_controllers_ca() {
     // TOLLGATE_CONTROLLER_CA) or `--controller-ca-file=PATH`.
     let sidecar = |pod: &str, ca: &str| {
         let token = tollgate_e2e::pod_with_token(&cp, pod, work.path());
-        tollgate_e2e::Sidecar::start(
-            &format!("tollgate-sidecar {pod}"),
-            &format!("http://127.0.0.1:{app}"),
-            &[
-                "--controller",
-                &url,
-                ca,
-                "--pod-name",
-                pod,
-                "--pod-namespace",
-                "shop",
-                "--token-file",
-                token.to_str().expect("path"),
-                "--log-format",
-                "json",
-            ],
-        )
+        tollgate_e2e::Sidecar::for_pod_at(pod, app, &url, &token, &[ca])
     };
     let http = reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(5))
         .build()
         .expect("client");
-    let ready = |admin: u16| {
-        http.get(format!("http://127.0.0.1:{admin}/readyz"))
-            .send()
-            .map(|r| r.status().as_u16())
-            .unwrap_or(0)
-    };
 
     let ca_pem = std::fs::read_to_string(certs.join("ca.crt")).expect("read ca.crt");
     let trusted = sidecar("tls-api-1", &format!("--controller-ca={ca_pem}"));
     let deadline = Instant::now() + Duration::from_secs(15);
-    while ready(trusted.admin) != 200 {
+    while trusted.readyz() != 200 {
         assert!(
             Instant::now() < deadline,
             "no rules over TLS: {:?}",
@@ -1143,7 +1121,7 @@ fn rule_stream_over_tls_needs_the_controllers_ca() {
     );
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(
-        ready(untrusted.admin),
+        untrusted.readyz(),
         503,
         "a sidecar that does not trust the CA has no rules"
     );
