@@ -35,6 +35,9 @@ log "tools/k8sbin/build.sh (kube-apiserver, etcd, helm)"
 K8SBIN_DIR=$(./tools/k8sbin/build.sh | tail -n 1)
 export K8SBIN_DIR
 
+# A full disk shows up as a linker "Bus error" far from its cause; say how much room there is.
+log "disk: $(df -h --output=avail . | tail -n 1 | tr -d ' ') free here (a cold build needs about 8 GB)"
+
 log "cargo fmt --check"
 cargo fmt --all --check
 
@@ -58,7 +61,7 @@ fuzz_status=${PIPESTATUS[0]}
 set -e
 [ "$fuzz_status" = 0 ] || status=$fuzz_status
 
-log "summary"
+log "summary (target/ now $(du -sh target 2>/dev/null | cut -f1))"
 grep -E '^test result:|FAILED|panicked' target/test-output.log | grep -E 'test result|FAILED|panicked' | awk '
   /test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /passed;/) p += $(i-1); if ($i ~ /failed;/) f += $(i-1); if ($i ~ /ignored;/) ig += $(i-1) } }
   /FAILED|panicked/ { print }
