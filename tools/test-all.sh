@@ -61,7 +61,7 @@ fuzz_status=${PIPESTATUS[0]}
 set -e
 [ "$fuzz_status" = 0 ] || status=$fuzz_status
 
-log "summary (target/ now $(du -sh target 2>/dev/null | cut -f1))"
+log "summary (build outputs: $(du -sh "${CARGO_TARGET_DIR:-target}" 2>/dev/null | cut -f1))"
 grep -E '^test result:|FAILED|panicked' target/test-output.log | grep -E 'test result|FAILED|panicked' | awk '
   /test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /passed;/) p += $(i-1); if ($i ~ /failed;/) f += $(i-1); if ($i ~ /ignored;/) ig += $(i-1) } }
   /FAILED|panicked/ { print }
