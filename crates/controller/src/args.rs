@@ -21,6 +21,12 @@ pub struct Args {
     #[arg(long, env = "TOLLGATE_TLS_LISTEN")]
     pub tls_listen: Option<SocketAddr>,
 
+    /// Serve the rule stream (`/v1/watch`, `/v1/ack`) on the plain `--listen` address too.
+    /// Set false with `--tls-listen` once every injected sidecar uses https, so no sidecar token
+    /// crosses the network in the clear; health and metrics stay on the plain address.
+    #[arg(long, env = "TOLLGATE_PLAIN_STREAM", default_value_t = true, action = clap::ArgAction::Set)]
+    pub plain_stream: bool,
+
     /// Namespaces to watch (repeat the flag or separate with commas); all namespaces if unset.
     #[arg(long = "namespace", env = "TOLLGATE_NAMESPACES", value_delimiter = ',')]
     pub namespaces: Vec<String>,

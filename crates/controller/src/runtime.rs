@@ -66,6 +66,11 @@ pub fn init_tracing(args: &Args) {
 /// Runs the controller until SIGTERM or Ctrl-C.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     init_tracing(&args);
+    if !args.plain_stream && args.tls_listen.is_none() {
+        anyhow::bail!(
+            "--plain-stream=false needs --tls-listen: otherwise no listener serves the rule stream"
+        );
+    }
     let client = telemetry::kube_client().await.context(
         "cannot configure a Kubernetes client (in-cluster service account or KUBECONFIG)",
     )?;
@@ -240,6 +245,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             heartbeat: args.heartbeat_interval,
             unknown_pod_grace: args.unknown_pod_grace,
             shutdown_grace: args.shutdown_grace,
+            plain_stream: args.plain_stream,
         },
         ready_rx,
     );

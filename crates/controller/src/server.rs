@@ -36,6 +36,13 @@ use crate::index::{AckError, PodRules, SharedIndex};
 use crate::membership::{self, Connection};
 use crate::metrics::{Metrics, OpenStream};
 
+/// How a request reached the server; the rule stream may be refused on [`Transport::Plain`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    Plain,
+    Tls,
+}
+
 /// Response body type of every endpoint.
 pub type Body = UnsyncBoxBody<Bytes, Infallible>;
 
@@ -54,6 +61,10 @@ pub struct ServerConfig {
     pub heartbeat: Duration,
     pub unknown_pod_grace: Duration,
     pub shutdown_grace: Duration,
+    /// Serve `/v1/watch` and `/v1/ack` on plain HTTP too (`--plain-stream`). Off, a sidecar
+    /// misconfigured with `http://` is refused before its token is reviewed, and only the TLS
+    /// listener streams rules; health and metrics stay on the plain port either way.
+    pub plain_stream: bool,
 }
 
 impl Default for ServerConfig {
@@ -62,6 +73,7 @@ impl Default for ServerConfig {
             heartbeat: DEFAULT_HEARTBEAT,
             unknown_pod_grace: DEFAULT_UNKNOWN_POD_GRACE,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            plain_stream: true,
         }
     }
 }
@@ -161,9 +173,10 @@ impl Server {
                     };
                     let _ = stream.set_nodelay(true);
                     let server = self.clone();
+                    let transport = if tls.is_some() { Transport::Tls } else { Transport::Plain };
                     let svc = service_fn(move |req: Request<Incoming>| {
                         let server = server.clone();
-                        async move { Ok::<_, Infallible>(server.handle(req).await) }
+                        async move { Ok::<_, Infallible>(server.handle(req, transport).await) }
                     });
                     let Some(acceptor) = tls.clone() else {
                         let conn = builder.serve_connection(TokioIo::new(stream), svc).into_owned();
@@ -203,9 +216,12 @@ impl Server {
         Ok(())
     }
 
-    /// Handles one request.
-    pub async fn handle(&self, req: Request<Incoming>) -> Response<Body> {
+    /// Handles one request that arrived over `transport`.
+    pub async fn handle(&self, req: Request<Incoming>, transport: Transport) -> Response<Body> {
+        let stream_refused = transport == Transport::Plain && !self.inner.config.plain_stream;
         let (endpoint, rsp) = match (req.method(), req.uri().path()) {
+            (&Method::GET, "/v1/watch") if stream_refused => ("watch", tls_only()),
+            (&Method::POST, "/v1/ack") if stream_refused => ("ack", tls_only()),
             (&Method::GET, "/v1/watch") => ("watch", self.watch(req).await),
             (&Method::POST, "/v1/ack") => ("ack", self.ack(req).await),
             (&Method::GET | &Method::HEAD, "/healthz") => ("healthz", text(StatusCode::OK, "ok\n")),
@@ -625,6 +641,16 @@ fn retry_later(why: &str) -> Response<Body> {
     rsp.headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
     rsp
+}
+
+/// The answer on the plain port when `--plain-stream=false`.
+fn tls_only() -> Response<Body> {
+    problem(
+        StatusCode::FORBIDDEN,
+        "this controller serves the rule stream over TLS only (--plain-stream=false): connect \
+         with https to its --tls-listen port"
+            .to_string(),
+    )
 }
 
 fn method_not_allowed(allow: &'static str) -> Response<Body> {

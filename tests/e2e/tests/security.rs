@@ -676,7 +676,8 @@ fn rule_streams_accept_only_a_pods_own_valid_token() {
     ]);
 
     // The controller with exactly the chart's permissions and arguments (webhooks off: this
-    // test is about the rule stream).
+    // test is about the rule stream's tokens, so over plain HTTP; TLS, which needs the
+    // webhook's certificate, is `rule_stream_over_tls_needs_the_controllers_ca`).
     let work = tempfile::tempdir().expect("temp dir");
     let admin = std::fs::read_to_string(cp.kubeconfig()).expect("kubeconfig");
     assert!(
@@ -710,6 +711,8 @@ fn rule_streams_accept_only_a_pods_own_valid_token() {
         .filter_map(|a| a.as_str())
         .filter(|a| {
             !a.starts_with("--listen=")
+                && !a.starts_with("--tls-listen=")
+                && !a.starts_with("--plain-stream=")
                 && !a.starts_with("--webhook")
                 && !a.starts_with("--mutating-webhook")
                 && !a.starts_with("--validating-webhook")
@@ -1046,7 +1049,8 @@ fn serving_pki(dir: &Path, cn: &str) {
 
 /// `--tls-listen`: the rule stream over TLS with the webhook's certificate. A sidecar that
 /// trusts the CA gets its rules and enforces them; one that trusts another CA gets nothing (and
-/// says why), and a plain-HTTP client cannot talk to the TLS port.
+/// says why), and a plain-HTTP client cannot talk to the TLS port. With `--plain-stream=false`
+/// the plain port refuses the stream and still answers health checks.
 #[test]
 fn rule_stream_over_tls_needs_the_controllers_ca() {
     let _serial = serial();
@@ -1072,6 +1076,7 @@ fn rule_stream_over_tls_needs_the_controllers_ca() {
             &format!("127.0.0.1:{webhook_port}"),
             "--tls-listen",
             &format!("127.0.0.1:{tls_port}"),
+            "--plain-stream=false",
         ],
     );
     controller.wait_for_log("serving rule streams over TLS too", Duration::from_secs(10));
@@ -1140,4 +1145,21 @@ fn rule_stream_over_tls_needs_the_controllers_ca() {
         !matches!(plain, Ok(200)),
         "plain HTTP answered on the TLS port: {plain:?}"
     );
+
+    // The plain port: no stream (refused before any token review), health as usual.
+    let refused = http
+        .get(format!(
+            "http://127.0.0.1:{port}/v1/watch?namespace=shop&pod=tls-api-1"
+        ))
+        .bearer_auth("not-even-reviewed")
+        .send()
+        .expect("plain watch");
+    assert_eq!(refused.status().as_u16(), 403);
+    let detail = refused.text().expect("body");
+    assert!(detail.contains("TLS only"), "{detail}");
+    let health = http
+        .get(format!("http://127.0.0.1:{port}/healthz"))
+        .send()
+        .expect("plain healthz");
+    assert_eq!(health.status().as_u16(), 200);
 }

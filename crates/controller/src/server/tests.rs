@@ -31,6 +31,7 @@ fn config() -> ServerConfig {
         heartbeat: Duration::from_secs(30),
         unknown_pod_grace: Duration::from_millis(300),
         shutdown_grace: Duration::from_secs(2),
+        plain_stream: true,
     }
 }
 
@@ -356,6 +357,37 @@ async fn resume_with_since_and_epoch_skips_the_snapshot() {
     .await;
     let (v3, _, _, _) = snapshot(old.next().await);
     assert_eq!(v3, v2);
+}
+
+/// `--plain-stream=false`: the plain port refuses watch and ack with a 403 that says where to
+/// go, before any token review (the "down" token would otherwise give 503), and still answers
+/// health and metrics.
+#[tokio::test]
+async fn plain_stream_off_refuses_the_stream_before_reviewing_the_token() {
+    let s = start(ServerConfig {
+        plain_stream: false,
+        ..config()
+    })
+    .await;
+    for token in [API1, "down"] {
+        let (_c, rsp) = get(s.addr, "/v1/watch?namespace=shop&pod=api-1", Some(token)).await;
+        assert_eq!(rsp.status(), StatusCode::FORBIDDEN);
+        let body: serde_json::Value = serde_json::from_str(&body_string(rsp).await).unwrap();
+        assert!(
+            body["detail"].as_str().unwrap().contains("TLS only"),
+            "{body}"
+        );
+    }
+    let mut c = connect(s.addr).await;
+    let rsp = c
+        .send(request(Method::POST, "/v1/ack", Some(API1), "{}"))
+        .await;
+    assert_eq!(rsp.status(), StatusCode::FORBIDDEN);
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        let (_c, rsp) = get(s.addr, path, None).await;
+        assert_eq!(rsp.status(), StatusCode::OK, "{path}");
+    }
+    assert_eq!(s.metrics.streams_open(), 0);
 }
 
 #[tokio::test]
