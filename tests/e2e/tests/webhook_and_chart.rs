@@ -313,8 +313,8 @@ fn install_yaml_is_exactly_helm_template_output() {
 fn helm_lint_passes_with_default_and_full_values() {
     for set in [
         "",
-        "replicas=3,networkPolicy.enabled=true,serviceMonitor.enabled=true,redis.dev.enabled=true,tracing.otlpEndpoint=http://otel:4318,streamTLS.enabled=true",
-        "certManager.enabled=true,controller.watchNamespaces={a,b},redis.url=rediss://r:6380,redis.auth.secretName=redis",
+        "replicas=3,networkPolicy.enabled=true,serviceMonitor.enabled=true,redis.dev.enabled=true,tracing.otlpEndpoint=http://otel:4318,streamTLS.plainStream=true",
+        "certManager.enabled=true,controller.watchNamespaces={a,b},redis.url=rediss://r:6380,redis.auth.secretName=redis,streamTLS.enabled=false",
     ] {
         let mut args = vec!["lint", CHART, "--strict"];
         if !set.is_empty() {
@@ -330,8 +330,9 @@ fn helm_lint_passes_with_default_and_full_values() {
     }
 }
 
-/// `streamTLS.enabled` adds the TLS listener, its container, Service and NetworkPolicy ports,
-/// and points injected sidecars at it with https; off (the default) none of it is rendered.
+/// `streamTLS.enabled` (the default) adds the TLS listener, its container, Service and
+/// NetworkPolicy ports, points injected sidecars at it with https and closes the plain stream
+/// unless `streamTLS.plainStream`; off, none of it is rendered.
 #[test]
 fn stream_tls_value_switches_the_sidecars_to_https() {
     let render = |set: &str| {
@@ -351,23 +352,29 @@ fn stream_tls_value_switches_the_sidecars_to_https() {
         );
         text(&out.stdout)
     };
-    let on = render("streamTLS.enabled=true,networkPolicy.enabled=true");
+    let on = render("networkPolicy.enabled=true");
     for needle in [
         "- --tls-listen=0.0.0.0:8443",
+        "- --plain-stream=false",
         "- --sidecar-controller-url=https://tollgate-controller.tollgate-system.svc:8443",
         "- name: stream-tls\n              containerPort: 8443",
         "- name: stream-tls\n      port: 8443\n      targetPort: stream-tls",
         "- port: stream-tls",
     ] {
-        assert!(
-            on.contains(needle),
-            "missing {needle:?} with streamTLS.enabled:\n{on}"
-        );
+        assert!(on.contains(needle), "missing {needle:?} by default:\n{on}");
     }
     assert!(!on.contains("--sidecar-controller-url=http://"), "{on}");
-    let off = render("networkPolicy.enabled=true");
+    let switching = render("streamTLS.plainStream=true");
     assert!(
-        !off.contains("stream-tls") && !off.contains("--tls-listen"),
+        switching.contains("- --plain-stream=true")
+            && switching.contains("- --sidecar-controller-url=https://"),
+        "{switching}"
+    );
+    let off = render("streamTLS.enabled=false,networkPolicy.enabled=true");
+    assert!(
+        !off.contains("stream-tls")
+            && !off.contains("--tls-listen")
+            && !off.contains("--plain-stream"),
         "{off}"
     );
     assert!(
@@ -376,6 +383,55 @@ fn stream_tls_value_switches_the_sidecars_to_https() {
         ),
         "{off}"
     );
+}
+
+/// cert-manager without an issuer of the user's: a self-signed Issuer makes a long-lived CA and
+/// a CA Issuer signs the rotating serving certificate with it, so the `ca.crt` sidecars were
+/// given at injection stays valid. With the user's issuer none of that is rendered.
+#[test]
+fn cert_manager_mode_signs_the_serving_certificate_with_a_ca_of_its_own() {
+    let render = |set: &str| -> Vec<serde_json::Value> {
+        let out = helm_offline(&[
+            "template",
+            "tollgate",
+            CHART,
+            "--namespace",
+            NS,
+            "--set",
+            set,
+            "--show-only",
+            "templates/webhook-tls.yaml",
+        ]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let stdout = text(&out.stdout);
+        stdout
+            .split("\n---")
+            .map(|doc| serde_norway::from_str::<serde_json::Value>(doc).expect("YAML document"))
+            .filter(|v| !v.is_null())
+            .collect()
+    };
+    let docs = render("certManager.enabled=true");
+    let find = |kind: &str, name: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name} in {docs:#?}"))
+            .clone()
+    };
+    let ca = find("Certificate", "tollgate-ca");
+    assert_eq!(ca["spec"]["isCA"], true);
+    assert_eq!(ca["spec"]["duration"], "87600h");
+    assert_eq!(ca["spec"]["issuerRef"]["name"], "tollgate-selfsigned");
+    assert_eq!(
+        find("Issuer", "tollgate-ca")["spec"]["ca"]["secretName"],
+        "tollgate-ca"
+    );
+    let serving = find("Certificate", "tollgate-webhook");
+    assert_eq!(serving["spec"]["issuerRef"]["name"], "tollgate-ca");
+    assert_eq!(serving["spec"]["privateKey"]["rotationPolicy"], "Always");
+
+    let own = render("certManager.enabled=true,certManager.issuerRef.name=corp-ca");
+    assert_eq!(own.len(), 1, "only the serving certificate: {own:#?}");
+    assert_eq!(own[0]["spec"]["issuerRef"]["name"], "corp-ca");
 }
 
 #[test]
@@ -600,6 +656,7 @@ fn chart_installs_and_the_controller_injects_sidecars_and_validates_policies() {
     .unwrap();
     let ss_port = free_port();
     let ss_stream = free_port();
+    let ss_tls = free_port();
     let chart_args: Vec<String> = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
         .as_array()
         .unwrap()
@@ -607,11 +664,13 @@ fn chart_installs_and_the_controller_injects_sidecars_and_validates_policies() {
         .map(|a| a.as_str().unwrap().to_string())
         .filter(|a| {
             !a.starts_with("--listen=")
+                && !a.starts_with("--tls-listen=")
                 && !a.starts_with("--webhook-listen=")
                 && !a.starts_with("--webhook-cert-dir=")
         })
         .chain([
             format!("--listen=127.0.0.1:{ss_stream}"),
+            format!("--tls-listen=127.0.0.1:{ss_tls}"),
             format!("--webhook-listen=127.0.0.1:{ss_port}"),
             format!(
                 "--webhook-cert-dir={}",
@@ -670,6 +729,34 @@ fn chart_installs_and_the_controller_injects_sidecars_and_validates_policies() {
     // The written files are the Secret's.
     let on_disk = std::fs::read(work.path().join("ss-certs/ca.crt")).unwrap();
     assert_eq!(on_disk, ca);
+    // The chart's default rule stream: TLS with that CA under the Service's name, and the plain
+    // port refusing the stream (health still answers there).
+    let svc = format!("tollgate-controller.{NS}.svc");
+    let tls = reqwest::blocking::Client::builder()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(&ca).unwrap())
+        .resolve(&svc, ([127, 0, 0, 1], ss_tls).into())
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let healthz = tls
+        .get(format!("https://{svc}:{ss_tls}/healthz"))
+        .send()
+        .unwrap_or_else(|e| panic!("TLS to the stream port with the Secret's CA: {e:?}"));
+    assert_eq!(healthz.status(), 200);
+    let plain = reqwest::blocking::Client::new();
+    let refused = plain
+        .get(format!(
+            "http://127.0.0.1:{ss_stream}/v1/watch?namespace=injected&pod=api-1"
+        ))
+        .send()
+        .unwrap();
+    assert_eq!(refused.status(), 403, "the chart closes the plain stream");
+    let healthz = plain
+        .get(format!("http://127.0.0.1:{ss_stream}/healthz"))
+        .send()
+        .unwrap();
+    assert_eq!(healthz.status(), 200);
     // Leader election and the initial list work with the chart's RBAC.
     wait_for("the Lease", Duration::from_secs(30), || {
         ss.assert_running();
@@ -766,6 +853,7 @@ fn chart_installs_and_the_controller_injects_sidecars_and_validates_policies() {
     std::fs::create_dir_all(&certs).unwrap();
     std::fs::copy(pki.join("webhook.crt"), certs.join("tls.crt")).unwrap();
     std::fs::copy(pki.join("webhook.key"), certs.join("tls.key")).unwrap();
+    std::fs::copy(pki.join("ca.crt"), certs.join("ca.crt")).unwrap();
     let ca_pki = std::fs::read(pki.join("ca.crt")).unwrap();
     let port = free_port();
     let stream = free_port();
@@ -775,7 +863,8 @@ fn chart_installs_and_the_controller_injects_sidecars_and_validates_policies() {
         format!("--webhook-cert-dir={}", certs.display()),
         "--leader-election=false".into(),
         "--sidecar-image=registry.example/tollgate-sidecar:e2e".into(),
-        format!("--sidecar-controller-url=http://tollgate-controller.{NS}.svc:8090"),
+        // The chart's default: the rule stream over TLS.
+        format!("--sidecar-controller-url=https://tollgate-controller.{NS}.svc:8443"),
         "--sidecar-arg=--log-format=text".into(),
     ];
     let mut ctl = Controller::start("controller-pki", &cp.kubeconfig(), &args, work.path());
@@ -832,6 +921,23 @@ fn chart_installs_and_the_controller_injects_sidecars_and_validates_policies() {
     assert!(args.contains(&"--listen=0.0.0.0:8081"), "{args:?}");
     assert!(args.contains(&"--admin=0.0.0.0:9091"), "{args:?}");
     assert!(args.contains(&"--log-format=text"), "{args:?}");
+    let env = |name: &str| {
+        sc["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == name)
+            .map(|e| e["value"].as_str().unwrap_or_default().to_string())
+    };
+    assert!(
+        args.contains(&"--controller=https://tollgate-controller.tollgate-system.svc:8443"),
+        "{args:?}"
+    );
+    assert_eq!(
+        env("TOLLGATE_CONTROLLER_CA").as_deref().map(str::as_bytes),
+        Some(&ca_pki[..]),
+        "the sidecar trusts the serving certificate's CA"
+    );
     assert_eq!(sc["securityContext"]["runAsNonRoot"], true);
     assert_eq!(sc["securityContext"]["readOnlyRootFilesystem"], true);
     assert_eq!(
