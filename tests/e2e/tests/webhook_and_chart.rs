@@ -57,6 +57,28 @@ fn helm_offline(args: &[&str]) -> Output {
         .expect("run helm")
 }
 
+/// `helm template` of the chart as release `tollgate` in [`NS`] with `--set set` and `extra`
+/// arguments; panics with helm's error.
+fn helm_template(set: &str, extra: &[&str]) -> String {
+    let mut args = vec![
+        "template",
+        "tollgate",
+        CHART,
+        "--namespace",
+        NS,
+        "--set",
+        set,
+    ];
+    args.extend_from_slice(extra);
+    let out = helm_offline(&args);
+    assert!(
+        out.status.success(),
+        "helm template --set {set}: {}",
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+}
+
 /// Runs helm against the control plane.
 fn helm(cp: &ControlPlane, args: &[&str]) -> Output {
     let mut cmd = Command::new(cp.helm_bin());
@@ -335,23 +357,7 @@ fn helm_lint_passes_with_default_and_full_values() {
 /// unless `streamTLS.plainStream`; off, none of it is rendered.
 #[test]
 fn stream_tls_value_switches_the_sidecars_to_https() {
-    let render = |set: &str| {
-        let out = helm_offline(&[
-            "template",
-            "tollgate",
-            CHART,
-            "--namespace",
-            NS,
-            "--set",
-            set,
-        ]);
-        assert!(
-            out.status.success(),
-            "helm template --set {set}: {}",
-            text(&out.stderr)
-        );
-        text(&out.stdout)
-    };
+    let render = |set: &str| helm_template(set, &[]);
     let on = render("networkPolicy.enabled=true");
     for needle in [
         "- --tls-listen=0.0.0.0:8443",
@@ -391,20 +397,7 @@ fn stream_tls_value_switches_the_sidecars_to_https() {
 #[test]
 fn cert_manager_mode_signs_the_serving_certificate_with_a_ca_of_its_own() {
     let render = |set: &str| -> Vec<serde_json::Value> {
-        let out = helm_offline(&[
-            "template",
-            "tollgate",
-            CHART,
-            "--namespace",
-            NS,
-            "--set",
-            set,
-            "--show-only",
-            "templates/webhook-tls.yaml",
-        ]);
-        assert!(out.status.success(), "{}", text(&out.stderr));
-        let stdout = text(&out.stdout);
-        stdout
+        helm_template(set, &["--show-only", "templates/webhook-tls.yaml"])
             .split("\n---")
             .map(|doc| serde_norway::from_str::<serde_json::Value>(doc).expect("YAML document"))
             .filter(|v| !v.is_null())
