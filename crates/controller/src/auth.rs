@@ -25,6 +25,8 @@ use crate::metrics::Metrics;
 
 /// The extra a bound service account token carries with the pod name.
 pub const POD_NAME_EXTRA: &str = "authentication.kubernetes.io/pod-name";
+/// TokenReview `user.extra` key with the UID of the pod a bound token belongs to.
+pub const POD_UID_EXTRA: &str = "authentication.kubernetes.io/pod-uid";
 const SA_PREFIX: &str = "system:serviceaccount:";
 
 /// Default lifetime of a cached successful review.
@@ -46,6 +48,9 @@ pub struct Identity {
     pub service_account: Option<String>,
     /// The pod the token is bound to, when it is a bound token.
     pub pod_name: Option<String>,
+    /// That pod's UID: a token of an earlier pod of the same name (a StatefulSet's) is not
+    /// this pod's, even while a cached review still says it is valid.
+    pub pod_uid: Option<String>,
 }
 
 /// Why a request is not authenticated.
@@ -96,6 +101,17 @@ pub fn authorize(identity: &Identity, namespace: &str, pod: &str) -> Result<(), 
     Ok(())
 }
 
+/// Whether a token bound to pod UID `bound` may act for the pod now known as `current`; both
+/// are known only for bound tokens and watched pods. The error says why not (403).
+pub fn same_incarnation(identity: &Identity, current: Option<&str>) -> Result<(), String> {
+    match (identity.pod_uid.as_deref(), current) {
+        (Some(bound), Some(current)) if bound != current => Err(format!(
+            "token is bound to an earlier pod of this name (uid {bound}); the pod is now uid {current}"
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Reads an [`Identity`] from a TokenReview's user.
 pub fn identity_from_user(user: &UserInfo) -> Result<Identity, AuthError> {
     let username = user
@@ -112,18 +128,20 @@ pub fn identity_from_user(user: &UserInfo) -> Result<Identity, AuthError> {
         },
         None => (None, None),
     };
-    let pod_name = user
-        .extra
-        .as_ref()
-        .and_then(|e| e.get(POD_NAME_EXTRA))
-        .and_then(|v| v.first())
-        .filter(|p| !p.is_empty())
-        .cloned();
+    let extra = |key: &str| {
+        user.extra
+            .as_ref()
+            .and_then(|e| e.get(key))
+            .and_then(|v| v.first())
+            .filter(|p| !p.is_empty())
+            .cloned()
+    };
     Ok(Identity {
         username,
         namespace,
         service_account,
-        pod_name,
+        pod_name: extra(POD_NAME_EXTRA),
+        pod_uid: extra(POD_UID_EXTRA),
     })
 }
 

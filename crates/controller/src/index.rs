@@ -96,6 +96,8 @@ impl PolicyInput {
 pub struct PodInput {
     pub namespace: String,
     pub name: String,
+    /// Tells a re-created pod (same name, e.g. a StatefulSet's) from the one before it.
+    pub uid: Option<String>,
     pub labels: BTreeMap<String, String>,
 }
 
@@ -105,6 +107,7 @@ impl PodInput {
         Some(PodInput {
             namespace: metadata.namespace.clone()?,
             name: metadata.name.clone()?,
+            uid: metadata.uid.clone(),
             labels: metadata.labels.clone().unwrap_or_default(),
         })
     }
@@ -223,6 +226,7 @@ struct Policy {
 
 struct Pod {
     id: u64,
+    uid: Option<String>,
     labels: BTreeMap<String, String>,
     version: u64,
     /// The pod's policies and, for each, the version since which the pod holds it unchanged.
@@ -316,6 +320,11 @@ impl Index {
                 .tx
                 .subscribe(),
         )
+    }
+
+    /// The UID of the pod now known under this name, if the watch reported one.
+    pub fn pod_uid(&self, namespace: &str, pod: &str) -> Option<String> {
+        self.namespaces.get(namespace)?.pods.get(pod)?.uid.clone()
     }
 
     pub fn has_pod(&self, namespace: &str, pod: &str) -> bool {
@@ -559,8 +568,18 @@ impl Index {
     fn apply_pod_inner(&mut self, input: PodInput, v: u64) -> (bool, bool) {
         let ns = self.namespaces.entry(input.namespace).or_default();
         let Namespace { policies, pods } = ns;
+        // Another UID under the same name is a new pod: the old one's streams end with it.
+        if pods
+            .get(&input.name)
+            .is_some_and(|pod| pod.uid.is_some() && input.uid.is_some() && pod.uid != input.uid)
+        {
+            pods.remove(&input.name);
+        }
         match pods.get_mut(&input.name) {
             Some(pod) => {
+                if pod.uid.is_none() {
+                    pod.uid = input.uid;
+                }
                 if pod.labels == input.labels {
                     return (false, false);
                 }
@@ -571,6 +590,7 @@ impl Index {
                 self.next_pod_id += 1;
                 let mut pod = Pod {
                     id: self.next_pod_id,
+                    uid: input.uid,
                     labels: input.labels,
                     version: v,
                     policies: Vec::new(),

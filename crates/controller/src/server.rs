@@ -31,7 +31,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 use tollgate_crd::WIRE_VERSION;
 use tollgate_crd::stream::{Ack, StreamMessage};
 
-use crate::auth::{AuthError, Authenticator, Identity, authorize, bearer_token};
+use crate::auth::{AuthError, Authenticator, Identity, authorize, bearer_token, same_incarnation};
 use crate::index::{AckError, PodRules, SharedIndex};
 use crate::membership::{self, Connection};
 use crate::metrics::{Metrics, OpenStream};
@@ -314,6 +314,9 @@ impl Server {
                 ),
             );
         }
+        if let Err(why) = self.same_incarnation(&identity, &q.namespace, &q.pod) {
+            return problem(StatusCode::FORBIDDEN, why);
+        }
         let resume = q.since.zip(q.epoch.as_deref());
         let Some((conn, sub)) =
             membership::connect(&self.inner.index, &q.namespace, &q.pod, resume)
@@ -366,6 +369,19 @@ impl Server {
     }
 
     /// Waits up to the grace period for the pod watch to deliver `pod`.
+    /// [`same_incarnation`] against the pod the index knows under this name.
+    fn same_incarnation(
+        &self,
+        identity: &Identity,
+        namespace: &str,
+        pod: &str,
+    ) -> Result<(), String> {
+        let current = self.inner.index.read().pod_uid(namespace, pod);
+        same_incarnation(identity, current.as_deref()).inspect_err(|why| {
+            tracing::info!(namespace, pod, %why, "stale pod token refused");
+        })
+    }
+
     async fn wait_for_pod(&self, namespace: &str, pod: &str) -> bool {
         let mut rx = self.inner.index.read().pods_rx();
         let deadline = Instant::now() + self.inner.config.unknown_pod_grace;
@@ -403,7 +419,9 @@ impl Server {
                 return problem(StatusCode::BAD_REQUEST, format!("invalid ack: {e}"));
             }
         };
-        if let Err(why) = authorize(&identity, &ack.namespace, &ack.pod) {
+        if let Err(why) = authorize(&identity, &ack.namespace, &ack.pod)
+            .and_then(|()| self.same_incarnation(&identity, &ack.namespace, &ack.pod))
+        {
             return problem(StatusCode::FORBIDDEN, why);
         }
         match membership::ack(

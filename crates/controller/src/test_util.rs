@@ -47,6 +47,7 @@ pub fn mk_pod(ns: &str, name: &str, labels: &[(&str, &str)]) -> PodInput {
     PodInput {
         namespace: ns.to_string(),
         name: name.to_string(),
+        uid: None,
         labels: labels
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -54,7 +55,8 @@ pub fn mk_pod(ns: &str, name: &str, labels: &[(&str, &str)]) -> PodInput {
     }
 }
 
-/// Accepts tokens `sa:<ns>:<sa>` and `pod:<ns>:<sa>:<pod>` (bound); anything else is rejected;
+/// Accepts tokens `sa:<ns>:<sa>`, `pod:<ns>:<sa>:<pod>` and `pod:<ns>:<sa>:<pod>:<uid>` (bound);
+/// anything else is rejected;
 /// `down` means the review API is unavailable.
 #[derive(Default)]
 pub struct FakeAuth {
@@ -74,12 +76,21 @@ impl Authenticator for FakeAuth {
                     namespace: Some(ns.to_string()),
                     service_account: Some(sa.to_string()),
                     pod_name: None,
+                    pod_uid: None,
                 }),
                 ["pod", ns, sa, pod] => Ok(Identity {
                     username: format!("system:serviceaccount:{ns}:{sa}"),
                     namespace: Some(ns.to_string()),
                     service_account: Some(sa.to_string()),
                     pod_name: Some(pod.to_string()),
+                    pod_uid: None,
+                }),
+                ["pod", ns, sa, pod, uid] => Ok(Identity {
+                    username: format!("system:serviceaccount:{ns}:{sa}"),
+                    namespace: Some(ns.to_string()),
+                    service_account: Some(sa.to_string()),
+                    pod_name: Some(pod.to_string()),
+                    pod_uid: Some(uid.to_string()),
                 }),
                 ["down"] => Err(AuthError::Unavailable("api server down".into())),
                 _ => Err(AuthError::Unauthenticated("bad token".into())),

@@ -841,6 +841,27 @@ fn rule_streams_accept_only_a_pods_own_valid_token() {
     let got = watch_status(port, "shop", "api-3", Some(&doomed));
     eprintln!("token of a deleted pod: {got}");
     assert_eq!(got, 401, "token of a deleted pod");
+    // A pod re-created under its name (a StatefulSet's web-0): the earlier pod's token, whose
+    // successful review is still cached, is refused once the controller has seen the new UID;
+    // the new pod's token streams.
+    cp.apply(&pod_json("web-0", "shop")).expect("create web-0");
+    let earlier = bound_token(&cp, "shop", "web-0", "tollgate");
+    assert_eq!(watch_status(port, "shop", "web-0", Some(&earlier)), 200);
+    cp.ok(&["delete", "pod", "web-0", "-n", "shop", "--wait=true"]);
+    cp.apply(&pod_json("web-0", "shop"))
+        .expect("re-create web-0");
+    let current = bound_token(&cp, "shop", "web-0", "tollgate");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while watch_status(port, "shop", "web-0", Some(&current)) != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "the re-created pod's token never streamed"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let got = watch_status(port, "shop", "web-0", Some(&earlier));
+    eprintln!("token of the earlier pod of the same name: {got}");
+    assert_eq!(got, 403, "token of the earlier web-0");
     eprintln!(
         "{} stream authentication cases in {:?}",
         cases.len() + 1,
@@ -870,6 +891,7 @@ fn rule_streams_accept_only_a_pods_own_valid_token() {
         &tampered,
         &other_audience,
         &doomed,
+        &earlier,
     ] {
         let signature = t.rsplit('.').next().unwrap_or_default();
         assert!(

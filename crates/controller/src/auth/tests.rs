@@ -22,6 +22,7 @@ fn sa(ns: &str, pod: Option<&str>) -> Identity {
         namespace: Some(ns.to_string()),
         service_account: Some("app".to_string()),
         pod_name: pod.map(str::to_string),
+        pod_uid: None,
     }
 }
 
@@ -47,24 +48,41 @@ fn scoping_requires_same_namespace_and_bound_pod() {
         namespace: None,
         service_account: None,
         pod_name: None,
+        pod_uid: None,
     };
     assert!(authorize(&user, "shop", "api-1").is_err());
+}
+
+/// A StatefulSet re-creates `web-0` under a new UID: a still-cached review of the old pod's
+/// token must not act for the new one. Unknown UIDs on either side are not a mismatch.
+#[test]
+fn tokens_of_an_earlier_pod_of_the_same_name_are_refused() {
+    let bound = |uid: Option<&str>| Identity {
+        pod_uid: uid.map(str::to_string),
+        ..sa("shop", Some("web-0"))
+    };
+    assert!(same_incarnation(&bound(Some("uid-2")), Some("uid-2")).is_ok());
+    let err = same_incarnation(&bound(Some("uid-1")), Some("uid-2")).unwrap_err();
+    assert!(err.contains("uid-1") && err.contains("uid-2"), "{err}");
+    assert!(same_incarnation(&bound(None), Some("uid-2")).is_ok());
+    assert!(same_incarnation(&bound(Some("uid-1")), None).is_ok());
 }
 
 #[test]
 fn identities_are_read_from_user_info() {
     let user = UserInfo {
         username: Some("system:serviceaccount:shop:api".into()),
-        extra: Some(BTreeMap::from([(
-            POD_NAME_EXTRA.to_string(),
-            vec!["api-1".to_string()],
-        )])),
+        extra: Some(BTreeMap::from([
+            (POD_NAME_EXTRA.to_string(), vec!["api-1".to_string()]),
+            (POD_UID_EXTRA.to_string(), vec!["4f1c-uid".to_string()]),
+        ])),
         ..UserInfo::default()
     };
     let id = identity_from_user(&user).unwrap();
     assert_eq!(id.namespace.as_deref(), Some("shop"));
     assert_eq!(id.service_account.as_deref(), Some("api"));
     assert_eq!(id.pod_name.as_deref(), Some("api-1"));
+    assert_eq!(id.pod_uid.as_deref(), Some("4f1c-uid"));
 
     let id = identity_from_user(&UserInfo {
         username: Some("kubernetes-admin".into()),

@@ -292,6 +292,35 @@ fn deleting_a_pod_closes_its_channel() {
     assert!(index.pod_rules("shop", "api-1").is_none());
 }
 
+/// A StatefulSet pod re-created under the same name: a watch event with another UID (a relist
+/// that missed the delete) replaces the pod, ending the old one's streams and counts; the same
+/// UID with new labels is an ordinary update.
+#[test]
+fn a_pod_with_another_uid_is_a_new_pod() {
+    let mut index = Index::new("epoch-1");
+    index.apply_policy(input(&mk_policy("shop", "limits", "web", 10)));
+    let pod = |uid: &str, app: &str| PodInput {
+        uid: Some(uid.to_string()),
+        ..mk_pod("shop", "web-0", &[("app", app)])
+    };
+    index.apply_pod(pod("uid-1", "web"));
+    assert_eq!(index.pod_uid("shop", "web-0").as_deref(), Some("uid-1"));
+    let old = index.connect("shop", "web-0", None).unwrap();
+    assert_eq!(index.summary().connected["shop/limits"], 1);
+
+    index.apply_pod(pod("uid-1", "web-v2"));
+    assert!(old.rx.has_changed().is_ok(), "same UID: the stream goes on");
+
+    index.apply_pod(pod("uid-2", "web"));
+    assert_eq!(index.pod_uid("shop", "web-0").as_deref(), Some("uid-2"));
+    assert!(old.rx.has_changed().is_err(), "the old pod's stream ends");
+    assert_eq!(index.summary().connected["shop/limits"], 0);
+    let new = index.connect("shop", "web-0", None).unwrap();
+    assert_ne!(new.pod_id, old.pod_id);
+    index.disconnect("shop", "web-0", old.pod_id);
+    assert_eq!(index.summary().connected["shop/limits"], 1);
+}
+
 #[test]
 fn membership_counts_connected_pods_once() {
     let mut index = index_with_pods();

@@ -450,6 +450,37 @@ async fn other_namespace_or_pod_is_403() {
     assert_eq!(rsp.status(), StatusCode::FORBIDDEN);
 }
 
+/// The pod was re-created under its name: a token bound to the earlier pod's UID (its review
+/// may still be cached) can neither stream nor ack for the new one; the new pod's token can.
+#[tokio::test]
+async fn tokens_of_an_earlier_pod_of_the_same_name_are_403() {
+    let s = start(config()).await;
+    s.index.write().apply_pod(crate::index::PodInput {
+        uid: Some("uid-2".into()),
+        ..mk_pod("shop", "api-1", &[("app", "api")])
+    });
+    let query = "/v1/watch?namespace=shop&pod=api-1";
+    let (_c, rsp) = get(s.addr, query, Some("pod:shop:api:api-1:uid-1")).await;
+    assert_eq!(rsp.status(), StatusCode::FORBIDDEN);
+    let body = body_string(rsp).await;
+    assert!(body.contains("earlier pod"), "{body}");
+    let mut c = connect(s.addr).await;
+    let ack = format!(r#"{{"namespace":"shop","pod":"api-1","version":1,"epoch":"{EPOCH}"}}"#);
+    let rsp = c
+        .send(request(
+            Method::POST,
+            "/v1/ack",
+            Some("pod:shop:api:api-1:uid-1"),
+            &ack,
+        ))
+        .await;
+    assert_eq!(rsp.status(), StatusCode::FORBIDDEN);
+    assert_eq!(s.metrics.streams_open(), 0);
+
+    let (_c, rsp) = get(s.addr, query, Some("pod:shop:api:api-1:uid-2")).await;
+    assert_eq!(rsp.status(), StatusCode::OK);
+}
+
 #[tokio::test]
 async fn bad_queries_are_400() {
     let s = start(config()).await;
