@@ -33,6 +33,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
+use tollgate_testkit::pki::Ca;
+use tollgate_testkit::require_tool;
 
 /// The passwords the tests look for everywhere they must not be.
 const DEFAULT_PASSWORD: &str = "pw-default-Zq81xK";
@@ -45,25 +47,6 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 // ---------------------------------------------------------------------------------------------
 // Tools and PKI
 
-fn require_tool(bin: &str, how: &str) {
-    let found = std::env::var_os("PATH")
-        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(bin).is_file()));
-    assert!(found, "`{bin}` is not on PATH; {how}");
-}
-
-fn run(cmd: &mut Command, what: &str) {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert!(
-        out.status.success(),
-        "{what} failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// Certificates and keys for one test run.
 struct Pki {
     dir: tempfile::TempDir,
@@ -74,81 +57,26 @@ impl Pki {
         self.dir.path().join(name)
     }
 
-    /// CA, server (127.0.0.1/localhost), client, and a rogue CA; ECDSA P-256.
+    /// CA, server (127.0.0.1/localhost), client, and a rogue CA.
     fn generate() -> Pki {
-        require_tool(
-            "openssl",
-            "install it (Debian/Ubuntu: `apt-get install openssl`; ./tools/test-all.sh does) to \
-             run the Redis TLS tests",
-        );
         let dir = tempfile::tempdir().expect("temp dir");
-        let pki = Pki { dir };
-        let ec = [
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-        ];
-        for (ca, cn) in [("ca", "tollgate-test-ca"), ("rogue-ca", "rogue-ca")] {
-            run(
-                Command::new("openssl")
-                    .args(["req", "-x509"])
-                    .args(ec)
-                    .arg("-keyout")
-                    .arg(pki.path(&format!("{ca}.key")))
-                    .arg("-out")
-                    .arg(pki.path(&format!("{ca}.crt")))
-                    .args(["-days", "2", "-subj", &format!("/CN={cn}")])
-                    .args(["-addext", "basicConstraints=critical,CA:TRUE"])
-                    .args(["-addext", "keyUsage=critical,keyCertSign,cRLSign"]),
-                "openssl: CA",
-            );
-        }
-        for (leaf, ext) in [
-            (
-                "server",
-                // clientAuth too: cluster nodes present it to each other on the TLS bus.
-                "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n\
-                 extendedKeyUsage=serverAuth,clientAuth\n\
-                 subjectAltName=IP:127.0.0.1,DNS:localhost\n",
-            ),
-            (
-                "client",
-                "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n\
-                 extendedKeyUsage=clientAuth\n",
-            ),
-        ] {
-            run(
-                Command::new("openssl")
-                    .arg("req")
-                    .args(ec)
-                    .arg("-keyout")
-                    .arg(pki.path(&format!("{leaf}.key")))
-                    .arg("-out")
-                    .arg(pki.path(&format!("{leaf}.csr")))
-                    .args(["-subj", &format!("/CN=tollgate-test-{leaf}")]),
-                "openssl: CSR",
-            );
-            std::fs::write(pki.path(&format!("{leaf}.ext")), ext).expect("write ext");
-            run(
-                Command::new("openssl")
-                    .args(["x509", "-req", "-days", "2"])
-                    .arg("-in")
-                    .arg(pki.path(&format!("{leaf}.csr")))
-                    .arg("-CA")
-                    .arg(pki.path("ca.crt"))
-                    .arg("-CAkey")
-                    .arg(pki.path("ca.key"))
-                    .arg("-CAcreateserial")
-                    .arg("-extfile")
-                    .arg(pki.path(&format!("{leaf}.ext")))
-                    .arg("-out")
-                    .arg(pki.path(&format!("{leaf}.crt"))),
-                "openssl: sign",
-            );
-        }
-        pki
+        let ca = Ca::new(dir.path(), "ca", "tollgate-test-ca");
+        Ca::new(dir.path(), "rogue-ca", "rogue-ca");
+        ca.issue(
+            "server",
+            "tollgate-test-server",
+            // clientAuth too: cluster nodes present it to each other on the TLS bus.
+            "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n\
+             extendedKeyUsage=serverAuth,clientAuth\n\
+             subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+        );
+        ca.issue(
+            "client",
+            "tollgate-test-client",
+            "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n\
+             extendedKeyUsage=clientAuth\n",
+        );
+        Pki { dir }
     }
 }
 

@@ -200,13 +200,7 @@ pub fn workspace_bin(name: &str) -> PathBuf {
     bin
 }
 
-/// A free TCP port on 127.0.0.1 (the kernel picks it; the listener is closed before return).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
+pub use tollgate_testkit::{Redis, free_port};
 
 /// A child process whose stderr is collected in the background; killed (by PID) on drop.
 pub struct Proc {
@@ -312,45 +306,6 @@ impl Drop for Proc {
                 tail.join("\n")
             );
         }
-    }
-}
-
-/// A `redis-server` on a free loopback port.
-pub fn redis_server() -> (Proc, u16) {
-    let port = free_port();
-    let dir = std::env::temp_dir().join(format!("tollgate-e2e-redis-{port}"));
-    let _ = std::fs::create_dir_all(&dir);
-    let mut cmd = Command::new("redis-server");
-    cmd.args([
-        "--port",
-        &port.to_string(),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--loglevel",
-        "verbose",
-    ])
-    .arg("--dir")
-    .arg(&dir);
-    let p = Proc::spawn("redis-server", cmd);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        let pong = Command::new("redis-cli")
-            .args(["-p", &port.to_string(), "PING"])
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "PONG")
-            .unwrap_or(false);
-        if pong {
-            return (p, port);
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "redis-server did not answer PING (install it: apt-get install redis-server; ./tools/test-all.sh does)"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
 

@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tollgate_e2e::{
-    ControlPlane, Proc, Sidecar, app, free_port, install_crd_and_shop, pod_with_token,
-    redis_server, serial, shop_policy, start_controller, wait,
+    ControlPlane, Proc, Redis, Sidecar, app, free_port, install_crd_and_shop, pod_with_token,
+    serial, shop_policy, start_controller, wait,
 };
 
 fn get(client: &reqwest::blocking::Client, url: &str, key: &str) -> u16 {
@@ -49,7 +49,8 @@ fn policies_reach_sidecars_hold_globally_and_report_status() {
         tokens.push(path);
     }
 
-    let (_redis, redis_port) = redis_server();
+    let redis = Redis::start();
+    let redis_port = redis.port;
     let app_port = app();
     let controller_port = free_port();
     let start_controller = || {
@@ -348,7 +349,8 @@ fn pctl(mut v: Vec<Duration>, q: f64) -> Duration {
 fn seed_scenarios_burst_client_and_store_down() {
     let _serial = serial();
     let cp = ControlPlane::start();
-    let (mut redis, redis_port) = redis_server();
+    let mut redis = Redis::start();
+    let redis_port = redis.port;
     let (_controller, sidecars, _tokens) = fleet(&cp, 2, Some(redis_port));
     let scenario = r#"apiVersion: tollgate.dev/v1alpha1
 kind: RateLimitPolicy
@@ -439,7 +441,7 @@ spec:
     );
 
     // (c) The store goes down: fail-open keeps serving (at the fallback share), fail-closed rejects.
-    redis.stop(Duration::from_secs(5));
+    redis.kill();
     let open = paced(
         &client,
         &sidecars,

@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tollgate_e2e::{
-    ControlPlane, Proc, Sidecar, app, free_port, install_crd_and_shop, pod_with_token,
-    redis_server, serial, start_controller, wait,
+    ControlPlane, Proc, Redis, Sidecar, app, free_port, install_crd_and_shop, pod_with_token,
+    serial, start_controller, wait,
 };
 
 const POLICY: &str = "shop/matrix";
@@ -521,7 +521,8 @@ spec:
 #[test]
 fn controller_killed_and_restarted() {
     let _serial = serial();
-    let (_redis, redis_port) = redis_server();
+    let redis = Redis::start();
+    let redis_port = redis.port;
     let args: Vec<String> = [
         "--redis",
         &format!("redis://127.0.0.1:{redis_port}"),
@@ -727,7 +728,8 @@ fn generous_policy() -> String {
 #[test]
 fn seed_scenario_slow_counter_store() {
     let _serial = serial();
-    let (_redis, redis_port) = redis_server();
+    let redis = Redis::start();
+    let redis_port = redis.port;
     let relay = Relay::start(redis_port);
     let args = vec![
         "--redis".to_string(),

@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use tollgate_e2e::{
-    ControlPlane, Proc, Sidecar, app, free_port, install_crd_and_shop, pod_with_token,
-    redis_server, shop_policy, start_controller, wait,
+    ControlPlane, Proc, Redis, Sidecar, app, free_port, install_crd_and_shop, pod_with_token,
+    shop_policy, start_controller, wait,
 };
 
 const POLICY: &str = "shop/shop-api-keys";
@@ -174,7 +174,8 @@ fn two_replicas_share_membership_status_and_the_global_limit() {
     install_crd_and_shop(&cp);
     cp.apply(&shop_policy(40)).expect("apply policy");
 
-    let (_redis, redis_port) = redis_server();
+    let redis = Redis::start();
+    let redis_port = redis.port;
     let (port_a, port_b) = (free_port(), free_port());
     let mut fleet = Fleet {
         client: reqwest::blocking::Client::builder()

@@ -1002,71 +1002,12 @@ fn chart_passes_redis_credentials_as_secret_references_only() {
 /// A CA and a serving certificate for 127.0.0.1 in `dir` as `tls.crt`, `tls.key` and `ca.crt`
 /// (the layout of the webhook's certificate directory), made with `openssl`.
 fn serving_pki(dir: &Path, cn: &str) {
-    let run = |args: &[&str]| {
-        let out = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .expect("openssl is needed: apt-get install openssl (./tools/test-all.sh does)");
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            text(&out.stderr)
-        );
-    };
-    run(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-        "-days",
-        "2",
-        "-subj",
-        &format!("/CN={cn}-ca"),
-    ]);
-    run(&[
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-        "-keyout",
-        "tls.key",
-        "-out",
-        "tls.csr",
-        "-subj",
-        &format!("/CN={cn}"),
-    ]);
-    std::fs::write(
-        dir.join("ext.cnf"),
+    let ca = tollgate_testkit::pki::Ca::new(dir, "ca", &format!("{cn}-ca"));
+    ca.issue(
+        "tls",
+        cn,
         "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
-    )
-    .expect("write ext.cnf");
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        "tls.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "tls.crt",
-        "-days",
-        "2",
-        "-extfile",
-        "ext.cnf",
-    ]);
+    );
 }
 
 /// `--tls-listen`: the rule stream over TLS with the webhook's certificate. A sidecar that

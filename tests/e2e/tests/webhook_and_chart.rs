@@ -23,7 +23,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tollgate_e2e::{ControlPlane, repo_root};
+use tollgate_e2e::{ControlPlane, free_port, repo_root};
 
 const RELEASE: &str = "tollgate";
 const NS: &str = "tollgate-system";
@@ -110,14 +110,6 @@ fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) 
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// kubectl … -o json, parsed.

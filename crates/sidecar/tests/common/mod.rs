@@ -27,9 +27,11 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-mod redis;
-#[allow(unused_imports)] // Only the tests of global rules use it.
-pub use redis::*;
+mod relay;
+#[allow(unused_imports)] // Only the tests of global rules use them.
+pub use relay::delaying_relay;
+#[allow(unused_imports)]
+pub use tollgate_testkit::{Redis, free_port};
 
 /// Path of the binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_tollgate-sidecar");
