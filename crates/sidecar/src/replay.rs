@@ -58,6 +58,40 @@ pub struct ReplayArgs {
     /// With --replay: how many of the most-rejected keys to list per rule.
     #[arg(long, value_name = "N", default_value_t = 5)]
     pub top: usize,
+
+    /// With --replay: `text` for people, `json` for pipelines (one object on stdout).
+    #[arg(long, value_enum, default_value_t = ReportFormat::Text, requires = "replay")]
+    pub output: ReportFormat,
+
+    /// With --baseline: exit with status 3 when more than this percentage of the replayed
+    /// requests would be rejected by the new policies and were admitted by the baseline; a
+    /// gate for CI before a policy change is applied.
+    #[arg(long, value_name = "PERCENT", requires = "baseline", value_parser = parse_percent)]
+    pub max_newly_rejected: Option<f64>,
+}
+
+/// How `check --replay` prints its report.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ReportFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// Exit status of `check --replay` when `--max-newly-rejected` is exceeded (1 is an error, 2 a
+/// usage error).
+pub const EXIT_GATE: u8 = 3;
+
+fn parse_percent(s: &str) -> Result<f64, String> {
+    let p: f64 = s
+        .trim_end_matches('%')
+        .parse()
+        .map_err(|_| format!("{s:?} is not a percentage"))?;
+    if (0.0..=100.0).contains(&p) {
+        Ok(p)
+    } else {
+        Err(format!("{s:?} is not between 0 and 100"))
+    }
 }
 
 /// Malformed lines listed in the report; the rest are only counted.
@@ -114,10 +148,23 @@ pub fn run(policies: &[PathBuf], args: &ReplayArgs) -> std::process::ExitCode {
         policies: join_paths(policies),
         baseline: (!args.baseline.is_empty()).then(|| join_paths(&args.baseline)),
     };
-    print!("{}", report.render(&names, &options));
+    match args.output {
+        ReportFormat::Text => print!("{}", report.render(&names, &options)),
+        ReportFormat::Json => println!("{}", report.to_json(&names, &options)),
+    }
     if report.requests == 0 {
         eprintln!("error: no line of {} could be replayed", names.log);
         return ExitCode::FAILURE;
+    }
+    if let Some(max) = args.max_newly_rejected {
+        let share = report.newly_rejected_percent();
+        if share > max {
+            eprintln!(
+                "gate: {} of {} requests ({share:.3} %) would be newly rejected, more than --max-newly-rejected {max} %",
+                report.newly_rejected, report.requests
+            );
+            return ExitCode::from(EXIT_GATE);
+        }
     }
     ExitCode::SUCCESS
 }
@@ -797,6 +844,106 @@ fn signed(n: i128) -> String {
 }
 
 impl Report {
+    /// Requests the baseline admitted and the new policies reject, in percent of all replayed.
+    pub fn newly_rejected_percent(&self) -> f64 {
+        if self.requests == 0 {
+            0.0
+        } else {
+            self.newly_rejected as f64 * 100.0 / self.requests as f64
+        }
+    }
+
+    /// The report as one JSON object, for pipelines. The same facts as [`Report::render`];
+    /// times are RFC 3339, durations milliseconds, key hashes 16 hex digits.
+    pub fn to_json(&self, names: &Names, options: &Options) -> serde_json::Value {
+        use serde_json::json;
+        let log = &self.log;
+        let counts = |r: &RuleStats| json!({"matched": r.matched, "allowed": r.allowed, "rejected": r.rejected});
+        let rules: Vec<serde_json::Value> = self
+            .new
+            .rules
+            .iter()
+            .map(|r| {
+                let baseline = self
+                    .baseline
+                    .as_ref()
+                    .and_then(|b| b.rules.iter().find(|x| x.id == r.id))
+                    .map(counts);
+                let top: Vec<serde_json::Value> = r
+                    .top_keys(options.top)
+                    .into_iter()
+                    .map(|(hash, key, count)| {
+                        json!({"hash": format!("{hash:016x}"), "key": key, "rejections": count})
+                    })
+                    .collect();
+                json!({
+                    "id": r.id,
+                    "mode": r.mode.unwrap_or_default(),
+                    "algorithm": r.algorithm,
+                    "description": r.description,
+                    "matched": r.matched,
+                    "allowed": r.allowed,
+                    "rejected": r.rejected,
+                    "delayed": r.delayed,
+                    "max_delay_ms": r.max_delay / 1_000_000,
+                    "bypassed": r.bypassed,
+                    "skipped_missing_key": r.skipped,
+                    "top_rejected_keys": top,
+                    "untracked_rejected_keys": r.untracked,
+                    "baseline": baseline,
+                })
+            })
+            .collect();
+        let baseline_only: Vec<serde_json::Value> = self
+            .baseline
+            .iter()
+            .flat_map(|b| &b.rules)
+            .filter(|b| !self.new.rules.iter().any(|r| r.id == b.id))
+            .map(|b| {
+                let mut v = counts(b);
+                v["id"] = json!(b.id);
+                v
+            })
+            .collect();
+        let errors: Vec<serde_json::Value> = log
+            .errors
+            .iter()
+            .map(|(line, problem)| json!({"line": line, "problem": problem}))
+            .collect();
+        json!({
+            "log": {
+                "path": names.log,
+                "lines": log.lines,
+                "requests": self.requests,
+                "malformed": log.malformed,
+                "malformed_listed": errors,
+                "audit_lines": log.audit_lines,
+                "blank": log.blank,
+                "out_of_order": log.out_of_order,
+                "first": log.first.map(format_rfc3339),
+                "last": log.last.map(format_rfc3339),
+            },
+            "policies": names.policies,
+            "baseline": names.baseline,
+            "simulated_ms": self.elapsed.as_millis() as u64,
+            "simulated_global_rules": self.simulated_global,
+            "keys": if options.raw_keys { "raw" } else { "hashed" },
+            "requests": self.requests,
+            "rejected": self.new.rejected,
+            "admitted": self.requests - self.new.rejected,
+            "unmatched": self.new.unmatched,
+            "vs_baseline": self.baseline.as_ref().map(|b| json!({
+                "rejected": b.rejected,
+                "unmatched": b.unmatched,
+                "newly_rejected": self.newly_rejected,
+                "newly_rejected_percent": self.newly_rejected_percent(),
+                "no_longer_rejected": self.no_longer_rejected,
+            })),
+            "rules": rules,
+            "baseline_only_rules": baseline_only,
+        })
+    }
+
     /// The human-readable report.
     pub fn render(&self, names: &Names, options: &Options) -> String {
         use std::fmt::Write as _;

@@ -119,6 +119,16 @@ impl Files {
 
 /// Runs the binary with a time bound; returns (success, stdout, stderr).
 fn run(args: &[&str]) -> (bool, String, String) {
+    let (code, out, err) = run_code(args);
+    (code == Some(0), out, err)
+}
+
+fn strs(a: &[String]) -> Vec<&str> {
+    a.iter().map(String::as_str).collect()
+}
+
+/// Runs the binary with a time bound; returns (exit code, stdout, stderr).
+fn run_code(args: &[&str]) -> (Option<i32>, String, String) {
     let mut child = Command::new(BIN)
         .args(args)
         .stdin(Stdio::null())
@@ -140,7 +150,7 @@ fn run(args: &[&str]) -> (bool, String, String) {
     }
     let out = child.wait_with_output().expect("output");
     (
-        out.status.success(),
+        out.status.code(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
@@ -264,6 +274,91 @@ fn replay_against_a_baseline_shows_the_difference() {
     let global = rule_section(&out, "test/replay/global-all");
     assert_has(&global, "baseline: (not in the baseline)");
     assert!(out.contains("rules only in the baseline:\n  test/replay/legacy: matched 0, would-allow 0, would-reject 0"), "{out}");
+}
+
+/// `--output json` carries the same counts as the text report, and `--max-newly-rejected` turns
+/// the difference from the baseline into an exit status for CI (2 of 11 requests, 18.2 %).
+#[test]
+fn replay_as_json_and_the_newly_rejected_gate() {
+    let f = Files::new();
+    let args = |extra: &[&'static str]| -> Vec<String> {
+        let mut a: Vec<String> = [
+            "check",
+            "--policy",
+            &f.path("new.yaml"),
+            "--replay",
+            &f.path("access.log"),
+            "--baseline",
+            &f.path("old.yaml"),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+
+    let (code, out, err) = run_code(&strs(&args(&["--output", "json"])));
+    assert_eq!(code, Some(0), "stderr:\n{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).expect("one JSON object");
+    assert_eq!(report["requests"], 11);
+    assert_eq!(report["rejected"], 3);
+    assert_eq!(report["log"]["malformed"], 2);
+    assert_eq!(report["log"]["audit_lines"], 1);
+    assert_eq!(report["keys"], "hashed");
+    assert_eq!(report["vs_baseline"]["rejected"], 1);
+    assert_eq!(report["vs_baseline"]["newly_rejected"], 2);
+    assert_eq!(report["vs_baseline"]["no_longer_rejected"], 0);
+    let rule = |id: &str| {
+        report["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["id"] == id)
+            .unwrap_or_else(|| panic!("no rule {id} in {report:#}"))
+            .clone()
+    };
+    let per_key = rule("test/replay/per-key");
+    assert_eq!(
+        (
+            &per_key["matched"],
+            &per_key["allowed"],
+            &per_key["rejected"]
+        ),
+        (
+            &serde_json::json!(7),
+            &serde_json::json!(5),
+            &serde_json::json!(2)
+        )
+    );
+    assert_eq!(per_key["baseline"]["rejected"], 1);
+    let top = &per_key["top_rejected_keys"][0];
+    assert_eq!(top["rejections"], 2);
+    assert_eq!(top["hash"].as_str().unwrap().len(), 16);
+    assert!(top["key"].is_null(), "keys stay hashed without --raw-keys");
+    assert_eq!(rule("test/replay/shadow-ip")["mode"], "Shadow");
+    assert!(rule("test/replay/global-all")["baseline"].is_null());
+    assert_eq!(report["baseline_only_rules"][0]["id"], "test/replay/legacy");
+
+    // The gate: 18.2 % newly rejected.
+    let (code, _, err) = run_code(&strs(&args(&["--max-newly-rejected", "20"])));
+    assert_eq!(code, Some(0), "under the gate: {err}");
+    let (code, _, err) = run_code(&strs(&args(&["--max-newly-rejected", "10%"])));
+    assert_eq!(code, Some(3), "over the gate: {err}");
+    assert!(err.contains("2 of 11 requests"), "{err}");
+    // A gate needs a baseline, and a percentage.
+    let (code, _, _) = run_code(&[
+        "check",
+        "--policy",
+        &f.path("new.yaml"),
+        "--replay",
+        &f.path("access.log"),
+        "--max-newly-rejected",
+        "5",
+    ]);
+    assert_eq!(code, Some(2));
+    let (code, _, err) = run_code(&strs(&args(&["--max-newly-rejected", "150"])));
+    assert_eq!(code, Some(2), "{err}");
 }
 
 #[test]
