@@ -123,8 +123,16 @@ fn run(args: &[&str]) -> (bool, String, String) {
     (code == Some(0), out, err)
 }
 
-fn strs(a: &[String]) -> Vec<&str> {
-    a.iter().map(String::as_str).collect()
+/// `tollgate-sidecar check --policy POLICY --replay LOG EXTRA…`: (exit code, stdout, stderr).
+fn replay_of(policy: &str, log: &str, extra: &[&str]) -> (Option<i32>, String, String) {
+    let mut args = vec!["check", "--policy", policy, "--replay", log];
+    args.extend_from_slice(extra);
+    run_code(&args)
+}
+
+/// Whether the run succeeded, with its output.
+fn succeeded((code, out, err): (Option<i32>, String, String)) -> (bool, String, String) {
+    (code == Some(0), out, err)
 }
 
 /// Runs the binary with a time bound; returns (exit code, stdout, stderr).
@@ -175,13 +183,7 @@ fn assert_has(section: &[&str], needle: &str) {
 #[test]
 fn replay_reports_exact_counts_per_rule() {
     let f = Files::new();
-    let (ok, out, err) = run(&[
-        "check",
-        "--policy",
-        &f.path("new.yaml"),
-        "--replay",
-        &f.path("access.log"),
-    ]);
+    let (ok, out, err) = succeeded(replay_of(&f.path("new.yaml"), &f.path("access.log"), &[]));
     assert!(ok, "exit status; stderr:\n{err}\nstdout:\n{out}");
     assert!(
         out.contains("15 lines: 11 requests replayed, 2 malformed, 1 audit lines skipped, 1 blank"),
@@ -236,16 +238,11 @@ fn replay_reports_exact_counts_per_rule() {
 #[test]
 fn replay_against_a_baseline_shows_the_difference() {
     let f = Files::new();
-    let (ok, out, err) = run(&[
-        "check",
-        "--policy",
+    let (ok, out, err) = succeeded(replay_of(
         &f.path("new.yaml"),
-        "--replay",
         &f.path("access.log"),
-        "--baseline",
-        &f.path("old.yaml"),
-        "--raw-keys",
-    ]);
+        &["--baseline", &f.path("old.yaml"), "--raw-keys"],
+    ));
     assert!(ok, "stderr:\n{err}\nstdout:\n{out}");
     assert!(
         out.contains(
@@ -281,24 +278,11 @@ fn replay_against_a_baseline_shows_the_difference() {
 #[test]
 fn replay_as_json_and_the_newly_rejected_gate() {
     let f = Files::new();
-    let args = |extra: &[&'static str]| -> Vec<String> {
-        let mut a: Vec<String> = [
-            "check",
-            "--policy",
-            &f.path("new.yaml"),
-            "--replay",
-            &f.path("access.log"),
-            "--baseline",
-            &f.path("old.yaml"),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        a.extend(extra.iter().map(|s| s.to_string()));
-        a
-    };
+    let (new, log, old) = (f.path("new.yaml"), f.path("access.log"), f.path("old.yaml"));
+    let against_baseline =
+        |extra: &[&str]| replay_of(&new, &log, &[&["--baseline", &old], extra].concat());
 
-    let (code, out, err) = run_code(&strs(&args(&["--output", "json"])));
+    let (code, out, err) = against_baseline(&["--output", "json"]);
     assert_eq!(code, Some(0), "stderr:\n{err}");
     let report: serde_json::Value = serde_json::from_str(&out).expect("one JSON object");
     assert_eq!(report["requests"], 11);
@@ -341,23 +325,19 @@ fn replay_as_json_and_the_newly_rejected_gate() {
     assert_eq!(report["baseline_only_rules"][0]["id"], "test/replay/legacy");
 
     // The gate: 18.2 % newly rejected.
-    let (code, _, err) = run_code(&strs(&args(&["--max-newly-rejected", "20"])));
+    let (code, _, err) = against_baseline(&["--max-newly-rejected", "20"]);
     assert_eq!(code, Some(0), "under the gate: {err}");
-    let (code, _, err) = run_code(&strs(&args(&["--max-newly-rejected", "10%"])));
+    let (code, _, err) = against_baseline(&["--max-newly-rejected", "10%"]);
     assert_eq!(code, Some(3), "over the gate: {err}");
     assert!(err.contains("2 of 11 requests"), "{err}");
     // A gate needs a baseline, and a percentage.
-    let (code, _, _) = run_code(&[
-        "check",
-        "--policy",
+    let (code, _, _) = replay_of(
         &f.path("new.yaml"),
-        "--replay",
         &f.path("access.log"),
-        "--max-newly-rejected",
-        "5",
-    ]);
+        &["--max-newly-rejected", "5"],
+    );
     assert_eq!(code, Some(2));
-    let (code, _, err) = run_code(&strs(&args(&["--max-newly-rejected", "150"])));
+    let (code, _, err) = against_baseline(&["--max-newly-rejected", "150"]);
     assert_eq!(code, Some(2), "{err}");
 }
 
@@ -418,7 +398,7 @@ fn unusable_inputs_fail_cleanly() {
     // Every line malformed: reported by number, exit 1, no panic.
     let bad = f.path("bad.log");
     std::fs::write(&bad, "{\"ts\":1}\n\u{0}\u{1}garbage\n[]\n{\"ts\":\"2025-05-01T12:00:00Z\",\"method\":\"GET\",\"path\":\"/\",\"client_ip\":\"nope\"}\n").unwrap();
-    let (ok, out, err) = run(&["check", "--policy", &f.path("new.yaml"), "--replay", &bad]);
+    let (ok, out, err) = succeeded(replay_of(&f.path("new.yaml"), &bad, &[]));
     assert!(!ok);
     assert!(
         out.contains("4 lines: 0 requests replayed, 4 malformed"),
@@ -435,24 +415,12 @@ fn unusable_inputs_fail_cleanly() {
     let mut bytes = crafted_log().into_bytes();
     bytes.extend_from_slice(b"\xff\xfe\n");
     std::fs::write(&binary, bytes).unwrap();
-    let (ok, out, _) = run(&[
-        "check",
-        "--policy",
-        &f.path("new.yaml"),
-        "--replay",
-        &binary,
-    ]);
+    let (ok, out, _) = succeeded(replay_of(&f.path("new.yaml"), &binary, &[]));
     assert!(ok);
     assert!(out.contains("line 16: not UTF-8"), "{out}");
 
     // A missing log and a broken policy are errors.
-    let (ok, _, err) = run(&[
-        "check",
-        "--policy",
-        &f.path("new.yaml"),
-        "--replay",
-        &f.path("missing.log"),
-    ]);
+    let (ok, _, err) = succeeded(replay_of(&f.path("new.yaml"), &f.path("missing.log"), &[]));
     assert!(!ok && err.contains("missing.log"), "{err}");
     let broken = f.path("broken.yaml");
     std::fs::write(
@@ -463,13 +431,7 @@ fn unusable_inputs_fail_cleanly() {
         ),
     )
     .unwrap();
-    let (ok, _, err) = run(&[
-        "check",
-        "--policy",
-        &broken,
-        "--replay",
-        &f.path("access.log"),
-    ]);
+    let (ok, _, err) = succeeded(replay_of(&broken, &f.path("access.log"), &[]));
     assert!(!ok && err.contains("requests"), "{err}");
 
     // --baseline needs --replay; plain `check` still works with --policy or paths.
