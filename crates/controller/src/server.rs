@@ -368,7 +368,6 @@ impl Server {
         rsp
     }
 
-    /// Waits up to the grace period for the pod watch to deliver `pod`.
     /// [`same_incarnation`] against the pod the index knows under this name.
     fn same_incarnation(
         &self,
@@ -382,6 +381,7 @@ impl Server {
         })
     }
 
+    /// Waits up to the grace period for the pod watch to deliver `pod`.
     async fn wait_for_pod(&self, namespace: &str, pod: &str) -> bool {
         let mut rx = self.inner.index.read().pods_rx();
         let deadline = Instant::now() + self.inner.config.unknown_pod_grace;
