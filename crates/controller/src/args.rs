@@ -109,6 +109,11 @@ pub struct Args {
     #[arg(long, env = "TOLLGATE_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
 
+    /// PEM CA the `https://` OTLP collector's certificate must chain to (instead of the system
+    /// roots); else `OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE` or `OTEL_EXPORTER_OTLP_CERTIFICATE`.
+    #[arg(long, env = "TOLLGATE_OTLP_CA_FILE")]
+    pub otlp_ca_file: Option<std::path::PathBuf>,
+
     /// Admission webhooks and the injected sidecar.
     #[command(flatten)]
     pub webhook: crate::webhook::args::WebhookArgs,

@@ -52,11 +52,13 @@ pub fn init_tracing(args: &Args) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .or_else(|_| tracing_subscriber::EnvFilter::try_new(&args.log))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let endpoint = telemetry::endpoint(args.otlp_endpoint.as_deref());
+    let endpoint = tollgate_otlp::endpoint(args.otlp_endpoint.as_deref());
+    let ca_file = tollgate_otlp::ca_file(args.otlp_ca_file.as_deref());
     if let Err(e) = telemetry::init(
         filter,
         args.log_format == LogFormat::Json,
         endpoint.as_deref(),
+        ca_file.as_deref(),
         "tollgate-controller",
     ) {
         eprintln!("tollgate-controller: telemetry: {e}");

@@ -35,9 +35,6 @@ use crate::index::PolicyInput;
 /// Target of trace spans; only these reach the OpenTelemetry layer.
 pub const TRACE_TARGET: &str = "tollgate::trace";
 
-/// The OpenTelemetry SDKs' standard variable, honoured when `--otlp-endpoint` is not given.
-pub const OTLP_ENDPOINT_ENV: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
-
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static PROVIDER: OnceLock<opentelemetry_sdk::trace::SdkTracerProvider> = OnceLock::new();
 
@@ -47,21 +44,15 @@ pub fn enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
 
-/// The endpoint traces go to: the flag, else `OTEL_EXPORTER_OTLP_ENDPOINT`; `None` when neither
-/// is set (or both are empty).
-pub fn endpoint(flag: Option<&str>) -> Option<String> {
-    flag.map(str::to_string)
-        .or_else(|| std::env::var(OTLP_ENDPOINT_ENV).ok())
-        .filter(|s| !s.trim().is_empty())
-}
-
 /// Sets up logging (`filter` applies to logs only) and, with `otlp_endpoint`, trace export over
-/// OTLP/HTTP (protobuf) to `<endpoint>/v1/traces`. Fails if a global subscriber is already set,
-/// or (after setting up logging) if the exporter cannot be built.
+/// OTLP/HTTP (protobuf) to `<endpoint>/v1/traces` (see [`tollgate_otlp`] for TLS and
+/// `otlp_ca_file`). Fails if a global subscriber is already set, or (after setting up logging)
+/// if the exporter cannot be built.
 pub fn init(
     filter: EnvFilter,
     json: bool,
     otlp_endpoint: Option<&str>,
+    otlp_ca_file: Option<&std::path::Path>,
     service: &str,
 ) -> Result<(), String> {
     let ansi = !json && std::io::IsTerminal::is_terminal(&std::io::stderr());
@@ -78,7 +69,9 @@ pub fn init(
         fmt.boxed()
     };
     // An exporter that cannot be built leaves logging working; the error is returned after.
-    let (otel, provider, export_error) = match otlp_endpoint.map(|e| exporter(e, service)) {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let exporter = |e: &str| tollgate_otlp::tracer_provider(e, otlp_ca_file, service);
+    let (otel, provider, export_error) = match otlp_endpoint.map(exporter) {
         None => (None, None, None),
         Some(Err(e)) => (None, None, Some(e)),
         Some(Ok(provider)) => {
@@ -101,26 +94,6 @@ pub fn init(
         ENABLED.store(true, Ordering::Relaxed);
     }
     export_error.map_or(Ok(()), Err)
-}
-
-fn exporter(
-    endpoint: &str,
-    service: &str,
-) -> Result<opentelemetry_sdk::trace::SdkTracerProvider, String> {
-    use opentelemetry_otlp::WithExportConfig;
-    let exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_http()
-        .with_endpoint(format!("{}/v1/traces", endpoint.trim_end_matches('/')))
-        .build()
-        .map_err(|e| format!("--otlp-endpoint {endpoint}: {e}"))?;
-    Ok(opentelemetry_sdk::trace::SdkTracerProvider::builder()
-        .with_batch_exporter(exporter)
-        .with_resource(
-            opentelemetry_sdk::Resource::builder()
-                .with_service_name(service.to_string())
-                .build(),
-        )
-        .build())
 }
 
 /// Flushes pending spans (called on shutdown; blocks until the exporter is done).
@@ -390,14 +363,5 @@ mod tests {
         ] {
             assert_eq!(classify(&method, path), None, "{method} {path}");
         }
-    }
-
-    #[test]
-    fn the_standard_variable_is_the_fallback() {
-        assert_eq!(
-            endpoint(Some("http://collector:4318")).as_deref(),
-            Some("http://collector:4318")
-        );
-        assert_eq!(endpoint(Some(" ")), None);
     }
 }

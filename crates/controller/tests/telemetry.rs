@@ -159,6 +159,7 @@ async fn reconciles_status_writes_and_token_reviews_are_traced() {
             tracing_subscriber::EnvFilter::new("info"),
             true,
             Some(&endpoint),
+            None,
             "tollgate-controller-test",
         )
         .unwrap();

@@ -239,6 +239,11 @@ pub struct RunArgs {
     #[arg(long, env = "TOLLGATE_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
 
+    /// PEM CA the `https://` OTLP collector's certificate must chain to (instead of the system
+    /// roots); else `OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE` or `OTEL_EXPORTER_OTLP_CERTIFICATE`.
+    #[arg(long, env = "TOLLGATE_OTLP_CA_FILE")]
+    pub otlp_ca_file: Option<PathBuf>,
+
     /// Log format: json (default, for log pipelines) or text.
     #[arg(long, env = "TOLLGATE_LOG_FORMAT", default_value = "json")]
     pub log_format: LogFormat,
@@ -334,6 +339,7 @@ fn init_logging(args: &RunArgs) {
         &args.log,
         args.log_format == LogFormat::Json,
         args.otlp_endpoint.as_deref(),
+        args.otlp_ca_file.as_deref(),
         "tollgate-sidecar",
     ) {
         eprintln!("tollgate-sidecar: telemetry: {e}");

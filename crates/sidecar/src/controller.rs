@@ -56,11 +56,9 @@ pub async fn run(config: ControllerConfig, shared: Arc<Shared>, apply: Arc<dyn A
         builder = builder.http2_prior_knowledge();
     }
     if let Some(roots) = &config.ca {
-        builder = builder.tls_built_in_root_certs(false);
-        for root in roots {
-            builder = builder.add_root_certificate(root.clone());
-        }
+        builder = builder.tls_certs_only(roots.iter().cloned());
     }
+    crate::install_crypto_provider();
     let client = match builder.build() {
         Ok(c) => c,
         Err(e) => {

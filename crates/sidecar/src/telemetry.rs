@@ -21,9 +21,6 @@ use tracing_subscriber::{EnvFilter, Layer, reload};
 /// Target of trace spans; only these reach the OpenTelemetry layer.
 pub const TRACE_TARGET: &str = "tollgate::trace";
 
-/// The OpenTelemetry SDKs' standard variable, honoured when `--otlp-endpoint` is not given.
-pub const OTLP_ENDPOINT_ENV: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
-
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static PROVIDER: OnceLock<opentelemetry_sdk::trace::SdkTracerProvider> = OnceLock::new();
 static FILTER: OnceLock<reload::Handle<EnvFilter, tracing_subscriber::Registry>> = OnceLock::new();
@@ -35,11 +32,14 @@ pub fn enabled() -> bool {
 }
 
 /// Sets up logging and, with `otlp_endpoint` (or else the standard `OTEL_EXPORTER_OTLP_ENDPOINT`
-/// variable), trace export over OTLP/HTTP (protobuf) to `<endpoint>/v1/traces`.
+/// variable), trace export over OTLP/HTTP (protobuf) to `<endpoint>/v1/traces` (see
+/// [`tollgate_otlp`] for TLS and `otlp_ca_file`). An exporter that cannot be built leaves
+/// logging working; the error is returned after.
 pub fn init(
     log_filter: &str,
     json: bool,
     otlp_endpoint: Option<&str>,
+    otlp_ca_file: Option<&std::path::Path>,
     service: &str,
 ) -> Result<(), String> {
     let filter = EnvFilter::try_new(log_filter).unwrap_or_else(|_| EnvFilter::new("info"));
@@ -55,26 +55,19 @@ pub fn init(
     } else {
         fmt.boxed()
     };
-    let from_env = std::env::var(OTLP_ENDPOINT_ENV)
-        .ok()
-        .filter(|s| !s.trim().is_empty());
-    let otel = match otlp_endpoint.or(from_env.as_deref()) {
+    crate::install_crypto_provider();
+    let provider = tollgate_otlp::endpoint(otlp_endpoint).map(|endpoint| {
+        let ca = tollgate_otlp::ca_file(otlp_ca_file);
+        tollgate_otlp::tracer_provider(&endpoint, ca.as_deref(), service)
+    });
+    let (provider, export_error) = match provider {
+        None => (None, None),
+        Some(Ok(p)) => (Some(p), None),
+        Some(Err(e)) => (None, Some(e)),
+    };
+    let otel = match provider {
         None => None,
-        Some(endpoint) => {
-            use opentelemetry_otlp::WithExportConfig;
-            let exporter = opentelemetry_otlp::SpanExporter::builder()
-                .with_http()
-                .with_endpoint(format!("{}/v1/traces", endpoint.trim_end_matches('/')))
-                .build()
-                .map_err(|e| format!("--otlp-endpoint {endpoint}: {e}"))?;
-            let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
-                .with_batch_exporter(exporter)
-                .with_resource(
-                    opentelemetry_sdk::Resource::builder()
-                        .with_service_name(service.to_string())
-                        .build(),
-                )
-                .build();
+        Some(provider) => {
             let tracer = provider.tracer(service.to_string());
             let _ = PROVIDER.set(provider);
             opentelemetry::global::set_text_map_propagator(
@@ -95,7 +88,8 @@ pub fn init(
         .with(fmt.with_filter(filter))
         .with(otel)
         .try_init()
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+    export_error.map_or(Ok(()), Err)
 }
 
 /// Changes the log filter at runtime (e.g. `debug` or `info,tollgate::audit=off`).

@@ -299,10 +299,9 @@ impl Load {
         for (si, &(mode, cold, rps)) in streams.iter().enumerate() {
             let (stop, samples, targets) = (stop.clone(), samples.clone(), targets.clone());
             tasks.push(tokio::spawn(async move {
-                let c = reqwest::Client::builder()
+                let c = client_builder()
                     .timeout(Duration::from_secs(5))
                     .connect_timeout(Duration::from_secs(2))
-                    .no_proxy()
                     .build()
                     .expect("client");
                 let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rps));

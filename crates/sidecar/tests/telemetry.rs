@@ -19,17 +19,36 @@ use tokio::net::TcpListener;
 
 /// Starts an HTTP server that records every request's headers and body, answering 200.
 async fn recorder() -> (String, Arc<Mutex<Vec<(http::HeaderMap, Bytes)>>>) {
+    recorder_with(None).await
+}
+
+/// [`recorder`], over TLS when given an acceptor (then its URL is `https://localhost:PORT`).
+async fn recorder_with(
+    tls: Option<tokio_rustls::TlsAcceptor>,
+) -> (String, Arc<Mutex<Vec<(http::HeaderMap, Bytes)>>>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    let url = match tls {
+        Some(_) => format!("https://localhost:{}", addr.port()),
+        None => format!("http://{addr}"),
+    };
     let seen: Arc<Mutex<Vec<(http::HeaderMap, Bytes)>>> = Arc::default();
     let seen2 = seen.clone();
     tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else {
+            let Ok((tcp, _)) = listener.accept().await else {
                 return;
             };
             let seen = seen2.clone();
+            let tls = tls.clone();
             tokio::spawn(async move {
+                let stream: Box<dyn Io> = match tls {
+                    None => Box::new(tcp),
+                    Some(acceptor) => match acceptor.accept(tcp).await {
+                        Ok(s) => Box::new(s),
+                        Err(_) => return, // a client that does not trust us
+                    },
+                };
                 let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
                     let seen = seen.clone();
                     async move {
@@ -52,7 +71,90 @@ async fn recorder() -> (String, Arc<Mutex<Vec<(http::HeaderMap, Bytes)>>>) {
             });
         }
     });
-    (format!("http://{addr}"), seen)
+    (url, seen)
+}
+
+trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
+
+/// A TLS acceptor for `localhost`/127.0.0.1 with a certificate from a fresh test CA; returns it
+/// with the CA's PEM file.
+fn collector_tls(dir: &std::path::Path) -> (tokio_rustls::TlsAcceptor, std::path::PathBuf) {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let ca = tollgate_testkit::pki::Ca::new(dir, "ca", "otel-collector-ca");
+    ca.issue(
+        "collector",
+        "localhost",
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+    );
+    let certs = CertificateDer::pem_file_iter(dir.join("collector.crt"))
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = PrivateKeyDer::from_pem_file(dir.join("collector.key")).unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .unwrap();
+    (tokio_rustls::TlsAcceptor::from(Arc::new(config)), ca.crt())
+}
+
+/// An `https://` collector is reached when the sidecar trusts its CA (`--otlp-ca-file`); one
+/// whose CA it does not trust gets nothing, and the failed export is logged, not lost in
+/// silence. (Before, the exporter had no TLS at all and said nothing.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_reach_an_https_collector_that_trusts_the_given_ca() {
+    within(90, async {
+        let dir = tempfile::tempdir().unwrap();
+        let (acceptor, ca) = collector_tls(dir.path());
+        let (collector, exports) = recorder_with(Some(acceptor)).await;
+        let (app, _) = recorder().await;
+        let p = policy(
+            "tls",
+            "rules:\n- name: all\n  limit: {requests: 100, period: 1m}\n  scope: Local\n",
+        );
+        let ca = ca.to_str().unwrap();
+
+        let mut trusting = Sidecar::start(
+            &app,
+            &p,
+            &["--otlp-endpoint", &collector, "--otlp-ca-file", ca],
+        )
+        .await;
+        let c = client();
+        assert_eq!(c.get(trusting.url("/")).send().await.unwrap().status(), 200);
+        trusting.terminate();
+        trusting.wait_exit(Duration::from_secs(15)).await;
+        let spans = exported_spans(&exports);
+        assert!(
+            spans.iter().any(|s| s.name == "tollgate proxy"),
+            "no span over TLS: {:?}\n{}",
+            spans.iter().map(|s| &s.name).collect::<Vec<_>>(),
+            trusting.logs().join("\n")
+        );
+
+        // System roots only: the collector's private CA is not among them.
+        exports.lock().unwrap().clear();
+        let mut other = Sidecar::start(&app, &p, &["--otlp-endpoint", &collector]).await;
+        assert_eq!(c.get(other.url("/")).send().await.unwrap().status(), 200);
+        other.terminate();
+        other.wait_exit(Duration::from_secs(15)).await;
+        assert!(
+            exports.lock().unwrap().is_empty(),
+            "an untrusted collector got spans"
+        );
+        let logs = other.logs().join("\n");
+        assert!(
+            logs.contains("BatchSpanProcessor.ExportError"),
+            "the failed export is logged:\n{logs}"
+        );
+    })
+    .await;
 }
 
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";

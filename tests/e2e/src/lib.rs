@@ -202,6 +202,13 @@ pub fn workspace_bin(name: &str) -> PathBuf {
 
 pub use tollgate_testkit::{Redis, free_port};
 
+/// A blocking HTTP client builder. reqwest is built with rustls and no crypto provider of its
+/// own (as in the binaries), so the process's provider is installed first.
+pub fn http_client() -> reqwest::blocking::ClientBuilder {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::blocking::Client::builder()
+}
+
 /// A child process whose stderr is collected in the background; killed (by PID) on drop.
 pub struct Proc {
     child: std::process::Child,
@@ -525,7 +532,7 @@ impl Sidecar {
     pub fn readyz(&self) -> u16 {
         static CLIENT: std::sync::OnceLock<reqwest::blocking::Client> = std::sync::OnceLock::new();
         let client = CLIENT.get_or_init(|| {
-            reqwest::blocking::Client::builder()
+            http_client()
                 .timeout(std::time::Duration::from_secs(5))
                 .build()
                 .expect("HTTP client")

@@ -75,7 +75,7 @@ fn policies_reach_sidecars_hold_globally_and_report_status() {
             &["--redis", &redis, "--redis-timeout", "200ms"],
         ));
     }
-    let client = reqwest::blocking::Client::builder()
+    let client = tollgate_e2e::http_client()
         .timeout(Duration::from_secs(5))
         .build()
         .unwrap();
@@ -262,7 +262,7 @@ fn a_policy_edit_reaches_twenty_sidecars_within_a_second() {
     let _serial = serial();
     let cp = ControlPlane::start();
     let (_controller, sidecars, _tokens) = fleet(&cp, 20, None);
-    let client = reqwest::blocking::Client::builder()
+    let client = tollgate_e2e::http_client()
         .timeout(Duration::from_secs(5))
         .build()
         .unwrap();
@@ -371,7 +371,7 @@ spec:
     failureMode: Closed
 "#;
     cp.apply(scenario).expect("apply policy");
-    let client = reqwest::blocking::Client::builder()
+    let client = tollgate_e2e::http_client()
         .timeout(Duration::from_secs(5))
         .build()
         .unwrap();

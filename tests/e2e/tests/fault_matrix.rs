@@ -173,7 +173,7 @@ impl Cluster {
         cp.apply(policy).expect("apply policy");
         let mut c = Cluster {
             cp,
-            client: reqwest::blocking::Client::builder()
+            client: tollgate_e2e::http_client()
                 .timeout(Duration::from_secs(5))
                 .no_proxy()
                 .build()
@@ -322,7 +322,7 @@ impl Load {
                 // Stagger the threads so their requests interleave.
                 let offset = gap.mul_f64(pi as f64 / ports.len() as f64);
                 threads.push(std::thread::spawn(move || {
-                    let client = reqwest::blocking::Client::builder()
+                    let client = tollgate_e2e::http_client()
                         .timeout(Duration::from_secs(5))
                         .no_proxy()
                         .build()

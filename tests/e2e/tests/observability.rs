@@ -53,7 +53,7 @@ fn expressions() -> Vec<(String, String)> {
 }
 
 fn scrape(url: &str) -> String {
-    let client = reqwest::blocking::Client::builder()
+    let client = tollgate_e2e::http_client()
         .timeout(Duration::from_secs(5))
         .build()
         .unwrap();
@@ -109,7 +109,9 @@ fn dashboard_and_alerts_parse_and_use_real_metrics() {
     );
     let (listen, admin) = (sidecar.listen, sidecar.admin);
     // One request with Redis unreachable: the error and fallback series come into being.
-    let _ = reqwest::blocking::Client::new()
+    let _ = tollgate_e2e::http_client()
+        .build()
+        .unwrap()
         .get(format!("http://127.0.0.1:{listen}/"))
         .header("x-api-key", "k")
         .send();

@@ -178,7 +178,7 @@ fn two_replicas_share_membership_status_and_the_global_limit() {
     let redis_port = redis.port;
     let (port_a, port_b) = (free_port(), free_port());
     let mut fleet = Fleet {
-        client: reqwest::blocking::Client::builder()
+        client: tollgate_e2e::http_client()
             .timeout(Duration::from_secs(5))
             .build()
             .unwrap(),

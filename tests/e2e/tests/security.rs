@@ -578,7 +578,7 @@ fn resigned(token: &str, key: &Path, dir: &Path, edit: impl FnOnce(&mut Value)) 
 /// `GET /v1/watch` with an optional bearer token; the status (the body of a 200 is a
 /// never-ending stream, so only the headers are read).
 fn watch_status(port: u16, ns: &str, pod: &str, token: Option<&str>) -> u16 {
-    let client = reqwest::blocking::Client::builder()
+    let client = tollgate_e2e::http_client()
         .timeout(Duration::from_secs(20))
         .no_proxy()
         .build()
@@ -869,7 +869,9 @@ fn rule_streams_accept_only_a_pods_own_valid_token() {
     );
 
     // TokenReviews answered the rejections (not a local shortcut), and no token was logged.
-    let metrics = reqwest::blocking::get(format!("http://127.0.0.1:{port}/metrics"))
+    let metrics = tollgate_e2e::http_client()
+        .build()
+        .and_then(|c| c.get(format!("http://127.0.0.1:{port}/metrics")).send())
         .and_then(|r| r.text())
         .expect("/metrics");
     let rejected: f64 = metrics
@@ -1051,7 +1053,7 @@ fn rule_stream_over_tls_needs_the_controllers_ca() {
         let token = tollgate_e2e::pod_with_token(&cp, pod, work.path());
         tollgate_e2e::Sidecar::for_pod_at(pod, app, &url, &token, &[ca])
     };
-    let http = reqwest::blocking::Client::builder()
+    let http = tollgate_e2e::http_client()
         .timeout(Duration::from_secs(5))
         .build()
         .expect("client");

@@ -717,9 +717,8 @@ fn chart_installs_and_the_controller_injects_sidecars_and_validates_policies() {
     // The chart's default rule stream: TLS with that CA under the Service's name, and the plain
     // port refusing the stream (health still answers there).
     let svc = format!("tollgate-controller.{NS}.svc");
-    let tls = reqwest::blocking::Client::builder()
-        .tls_built_in_root_certs(false)
-        .add_root_certificate(reqwest::Certificate::from_pem(&ca).unwrap())
+    let tls = tollgate_e2e::http_client()
+        .tls_certs_only([reqwest::Certificate::from_pem(&ca).unwrap()])
         .resolve(&svc, ([127, 0, 0, 1], ss_tls).into())
         .timeout(Duration::from_secs(5))
         .build()
@@ -729,7 +728,7 @@ fn chart_installs_and_the_controller_injects_sidecars_and_validates_policies() {
         .send()
         .unwrap_or_else(|e| panic!("TLS to the stream port with the Secret's CA: {e:?}"));
     assert_eq!(healthz.status(), 200);
-    let plain = reqwest::blocking::Client::new();
+    let plain = tollgate_e2e::http_client().build().unwrap();
     let refused = plain
         .get(format!(
             "http://127.0.0.1:{ss_stream}/v1/watch?namespace=injected&pod=api-1"

@@ -436,6 +436,8 @@ pub fn client() -> reqwest::Client {
 
 /// The builder behind [`client`], for variants (e.g. a different local address).
 pub fn client_builder() -> reqwest::ClientBuilder {
+    // reqwest has rustls without a provider of its own, as in the binary.
+    tollgate_sidecar::install_crypto_provider();
     reqwest::Client::builder()
         .timeout(Duration::from_secs(20))
         .connect_timeout(Duration::from_secs(5))
