@@ -41,6 +41,10 @@ log "disk: $(df -h --output=avail . | tail -n 1 | tr -d ' ') free here (a cold b
 log "cargo fmt --check"
 cargo fmt --all --check
 
+log "lock files are current (the main and the fuzz workspace)"
+cargo metadata --locked --format-version 1 >/dev/null
+cargo metadata --locked --format-version 1 --manifest-path fuzz/Cargo.toml >/dev/null
+
 log "cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
