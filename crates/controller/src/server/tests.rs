@@ -481,6 +481,31 @@ async fn tokens_of_an_earlier_pod_of_the_same_name_are_403() {
     assert_eq!(rsp.status(), StatusCode::OK);
 }
 
+/// The re-created pod's sidecar connects before the watch has replaced the earlier pod: the
+/// request waits (up to the unknown-pod grace) for its own incarnation instead of a 403.
+#[tokio::test]
+async fn a_new_pods_token_waits_for_the_watch_to_catch_up() {
+    let s = start(config()).await;
+    let pod = |uid: &str| crate::index::PodInput {
+        uid: Some(uid.into()),
+        ..mk_pod("shop", "api-1", &[("app", "api")])
+    };
+    s.index.write().apply_pod(pod("uid-1"));
+    let index = s.index.clone();
+    let late = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        index.write().apply_pod(pod("uid-2"));
+    });
+    let (_c, rsp) = get(
+        s.addr,
+        "/v1/watch?namespace=shop&pod=api-1",
+        Some("pod:shop:api:api-1:uid-2"),
+    )
+    .await;
+    assert_eq!(rsp.status(), StatusCode::OK);
+    late.await.unwrap();
+}
+
 #[tokio::test]
 async fn bad_queries_are_400() {
     let s = start(config()).await;
