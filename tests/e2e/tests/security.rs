@@ -864,7 +864,7 @@ fn rule_streams_accept_only_a_pods_own_valid_token() {
     assert_eq!(got, 403, "token of the earlier web-0");
     eprintln!(
         "{} stream authentication cases in {:?}",
-        cases.len() + 1,
+        cases.len() + 2,
         started.elapsed()
     );
 
