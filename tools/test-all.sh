@@ -36,7 +36,7 @@ K8SBIN_DIR=$(./tools/k8sbin/build.sh | tail -n 1)
 export K8SBIN_DIR
 
 # A full disk shows up as a linker "Bus error" far from its cause; say how much room there is.
-log "disk: $(df -h --output=avail . | tail -n 1 | tr -d ' ') free here (a cold build needs about 8 GB)"
+log "disk: $(df -h --output=avail . | tail -n 1 | tr -d ' ') free here (a cold build writes about 3 GB)"
 
 log "cargo fmt --check"
 cargo fmt --all --check
