@@ -55,6 +55,15 @@ pub fn mk_pod(ns: &str, name: &str, labels: &[(&str, &str)]) -> PodInput {
     }
 }
 
+/// [`mk_pod`] with a UID, as the watch delivers it; another UID under the same name is a
+/// re-created pod.
+pub fn mk_pod_uid(ns: &str, name: &str, uid: &str, labels: &[(&str, &str)]) -> PodInput {
+    PodInput {
+        uid: Some(uid.to_string()),
+        ..mk_pod(ns, name, labels)
+    }
+}
+
 /// Accepts tokens `sa:<ns>:<sa>`, `pod:<ns>:<sa>:<pod>` and `pod:<ns>:<sa>:<pod>:<uid>` (bound);
 /// anything else is rejected;
 /// `down` means the review API is unavailable.

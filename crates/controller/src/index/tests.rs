@@ -299,10 +299,7 @@ fn deleting_a_pod_closes_its_channel() {
 fn a_pod_with_another_uid_is_a_new_pod() {
     let mut index = Index::new("epoch-1");
     index.apply_policy(input(&mk_policy("shop", "limits", "web", 10)));
-    let pod = |uid: &str, app: &str| PodInput {
-        uid: Some(uid.to_string()),
-        ..mk_pod("shop", "web-0", &[("app", app)])
-    };
+    let pod = |uid: &str, app: &str| mk_pod_uid("shop", "web-0", uid, &[("app", app)]);
     index.apply_pod(pod("uid-1", "web"));
     assert_eq!(index.pod_uid("shop", "web-0").as_deref(), Some("uid-1"));
     let old = index.connect("shop", "web-0", None).unwrap();

@@ -455,10 +455,9 @@ async fn other_namespace_or_pod_is_403() {
 #[tokio::test]
 async fn tokens_of_an_earlier_pod_of_the_same_name_are_403() {
     let s = start(config()).await;
-    s.index.write().apply_pod(crate::index::PodInput {
-        uid: Some("uid-2".into()),
-        ..mk_pod("shop", "api-1", &[("app", "api")])
-    });
+    s.index
+        .write()
+        .apply_pod(mk_pod_uid("shop", "api-1", "uid-2", &[("app", "api")]));
     let query = "/v1/watch?namespace=shop&pod=api-1";
     let (_c, rsp) = get(s.addr, query, Some("pod:shop:api:api-1:uid-1")).await;
     assert_eq!(rsp.status(), StatusCode::FORBIDDEN);
@@ -486,10 +485,7 @@ async fn tokens_of_an_earlier_pod_of_the_same_name_are_403() {
 #[tokio::test]
 async fn a_new_pods_token_waits_for_the_watch_to_catch_up() {
     let s = start(config()).await;
-    let pod = |uid: &str| crate::index::PodInput {
-        uid: Some(uid.into()),
-        ..mk_pod("shop", "api-1", &[("app", "api")])
-    };
+    let pod = |uid: &str| mk_pod_uid("shop", "api-1", uid, &[("app", "api")]);
     s.index.write().apply_pod(pod("uid-1"));
     let index = s.index.clone();
     let late = tokio::spawn(async move {
