@@ -305,10 +305,7 @@ impl Server {
         if *self.inner.drain_tx.borrow() {
             return retry_later("the controller is shutting down");
         }
-        if !self
-            .wait_for_pod(&q.namespace, &q.pod, identity.pod_uid.as_deref())
-            .await
-        {
+        if !self.wait_for_pod(&q.namespace, &q.pod, &identity).await {
             return problem(
                 StatusCode::NOT_FOUND,
                 format!(
@@ -385,18 +382,15 @@ impl Server {
     }
 
     /// Waits up to the grace period for the pod watch to deliver `pod`, and, for a token bound
-    /// to pod UID `uid`, that incarnation of it: a re-created pod's sidecar may connect before
-    /// the watch has replaced the earlier pod. Whether the pod (any incarnation) is known.
-    async fn wait_for_pod(&self, namespace: &str, pod: &str, uid: Option<&str>) -> bool {
+    /// to a pod UID, that incarnation of it ([`same_incarnation`]): a re-created pod's sidecar
+    /// may connect before the watch has replaced the earlier pod. Whether the pod (any
+    /// incarnation) is known.
+    async fn wait_for_pod(&self, namespace: &str, pod: &str, identity: &Identity) -> bool {
         let mut rx = self.inner.index.read().pods_rx();
         let deadline = Instant::now() + self.inner.config.unknown_pod_grace;
         let current = |index: &crate::index::Index| {
-            let known = index.has_pod(namespace, pod);
-            let same = match (uid, index.pod_uid(namespace, pod)) {
-                (Some(bound), Some(now)) => bound == now,
-                _ => true,
-            };
-            known && same
+            index.has_pod(namespace, pod)
+                && same_incarnation(identity, index.pod_uid(namespace, pod).as_deref()).is_ok()
         };
         loop {
             if current(&self.inner.index.read()) {
