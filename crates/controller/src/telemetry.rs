@@ -69,7 +69,6 @@ pub fn init(
         fmt.boxed()
     };
     // An exporter that cannot be built leaves logging working; the error is returned after.
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let exporter = |e: &str| tollgate_otlp::tracer_provider(e, otlp_ca_file, service);
     let (otel, provider, export_error) = match otlp_endpoint.map(exporter) {
         None => (None, None, None),

@@ -3,8 +3,9 @@
 //! The exporter posts batches to `<endpoint>/v1/traces` from the SDK's own background thread
 //! with a blocking HTTP client. `https://` endpoints are verified against the system's roots, or
 //! only against the CA in `--otlp-ca-file` (else the standard
-//! `OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE` / `OTEL_EXPORTER_OTLP_CERTIFICATE`). Each binary must
-//! have installed a rustls crypto provider before [`tracer_provider`] is called. A batch that
+//! `OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE` / `OTEL_EXPORTER_OTLP_CERTIFICATE`). reqwest is built
+//! without a crypto provider of its own: [`tracer_provider`] makes ring the process's provider
+//! unless one is installed already (the binaries install ring at start-up too). A batch that
 //! cannot be delivered is logged as an ERROR event (target `opentelemetry_sdk`, name
 //! `BatchSpanProcessor.ExportError`), so a wrong endpoint or CA shows up in the logs.
 
@@ -64,6 +65,7 @@ pub fn tracer_provider(
             Some(certs)
         }
     };
+    let _ = rustls::crypto::ring::default_provider().install_default();
     // A blocking client owns a runtime of its own, which must not be built (or dropped) on a
     // Tokio worker: build it on a thread of its own, as the exporter's default client is.
     let client = std::thread::spawn(move || {

@@ -19,9 +19,8 @@ pub mod telemetry;
 pub mod topkeys;
 pub mod upstream;
 
-/// Makes ring the process's rustls crypto provider (HTTP clients to the controller and the OTLP
-/// collector are built without one of their own). Idempotent; called before any TLS client is
-/// built.
+/// Makes ring the process's rustls crypto provider: reqwest, used for the controller client, is
+/// built without one of its own. Idempotent; called before that client is built.
 pub fn install_crypto_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }

@@ -55,7 +55,6 @@ pub fn init(
     } else {
         fmt.boxed()
     };
-    crate::install_crypto_provider();
     let provider = tollgate_otlp::endpoint(otlp_endpoint).map(|endpoint| {
         let ca = tollgate_otlp::ca_file(otlp_ca_file);
         tollgate_otlp::tracer_provider(&endpoint, ca.as_deref(), service)
