@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Build kube-apiserver, etcd and helm from the Go module proxy (no release downloads)
-# into <repo>/.cache/k8sbin/<k8s>-<etcd>-<helm>/ and print that directory as the last
-# line on stdout. Everything else goes to stderr. Binaries already present are reused.
+# Build the Kubernetes binaries the tests run (kube-apiserver, etcd and helm for the control
+# plane; kubelet, kube-scheduler, kube-controller-manager, kube-proxy and CoreDNS for the real
+# node) from the Go module proxy (no release downloads) into
+# <repo>/.cache/k8sbin/<k8s>-<etcd>-<helm>-<coredns>/ and print that directory as the last line
+# on stdout. Everything else goes to stderr. Binaries already present are reused.
 #
 # Env: K8SBIN_CACHE (default <repo>/.cache/k8sbin), K8SBIN_NICE (default 19).
 set -euo pipefail
@@ -26,9 +28,10 @@ modver() { (cd "$HERE/$1" && go list -m -f '{{.Version}}' "$2"); }
 [ "$(modver apiserver k8s.io/kubernetes)" = "$K8S_VERSION" ] || die "apiserver/go.mod is not at $K8S_VERSION (run apiserver/sync.sh $K8S_VERSION)"
 [ "$(modver etcd go.etcd.io/etcd/server/v3)" = "$ETCD_VERSION" ] || die "etcd/go.mod is not at $ETCD_VERSION"
 [ "$(modver helm helm.sh/helm/v3)" = "$HELM_VERSION" ] || die "helm/go.mod is not at $HELM_VERSION"
+[ "$(modver coredns github.com/coredns/coredns)" = "$COREDNS_VERSION" ] || die "coredns/go.mod is not at $COREDNS_VERSION"
 
 CACHE=${K8SBIN_CACHE:-$ROOT/.cache/k8sbin}
-OUT="$CACHE/$K8S_VERSION-$ETCD_VERSION-$HELM_VERSION"
+OUT="$CACHE/$K8S_VERSION-$ETCD_VERSION-$HELM_VERSION-$COREDNS_VERSION"
 mkdir -p "$OUT"
 # Serialise concurrent build.sh runs on the same output directory.
 exec 9>"$OUT/.lock"
@@ -59,6 +62,11 @@ for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   KV+=" -X $p.gitTreeState=clean -X $p.buildDate=$K8S_DATE"
 done
 build kube-apiserver apiserver k8s.io/kubernetes/cmd/kube-apiserver "-s -w$KV"
+# The node's binaries come from the same module graph (tool lines in apiserver/go.mod), so
+# they share the build cache with kube-apiserver and cost a minute or two each after it.
+for b in kubelet kube-scheduler kube-controller-manager kube-proxy; do
+  build "$b" apiserver "k8s.io/kubernetes/cmd/$b" "-s -w$KV"
+done
 
 # etcd: the server module's root package is the etcd main; its version is a constant.
 build etcd etcd go.etcd.io/etcd/server/v3 "-s -w"
@@ -72,8 +80,13 @@ for p in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
 done
 build helm helm helm.sh/helm/v3/cmd/helm "-s -w $HV"
 
+# CoreDNS with the plugins a cluster's DNS needs (coredns/main.go).
+build coredns coredns example.invalid/tollgate/k8sbin/coredns "-s -w"
+
 log "versions:"
 "$OUT/kube-apiserver" --version >&2
 "$OUT/etcd" --version 2>&1 | sed -n 1p >&2   # not head: SIGPIPE + pipefail would fail the build
 "$OUT/helm" version --short >&2
+"$OUT/kubelet" --version >&2
+"$OUT/coredns" -version 2>&1 | sed -n 1p >&2
 echo "$OUT"

@@ -168,10 +168,11 @@ fn cached_bin_dir(root: &Path) -> String {
     };
     root.join(".cache/k8sbin")
         .join(format!(
-            "{}-{}-{}",
+            "{}-{}-{}-{}",
             get("K8S_VERSION"),
             get("ETCD_VERSION"),
-            get("HELM_VERSION")
+            get("HELM_VERSION"),
+            get("COREDNS_VERSION")
         ))
         .to_string_lossy()
         .into_owned()
