@@ -68,12 +68,20 @@ app.kubernetes.io/component: controller
 {{ $svc }}.{{ .Release.Namespace }}.svc,{{ $svc }}.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}
 {{- end }}
 
+{{/* An image reference: imageRegistry (if set) replaces the repository's registry and path up
+to the image name; a digest wins over the tag. */}}
+{{- define "tollgate.imageRef" -}}
+{{- $repo := .image.repository -}}
+{{- if .registry }}{{ $repo = printf "%s/%s" (trimSuffix "/" .registry) (last (splitList "/" $repo)) }}{{ end -}}
+{{- if .image.digest }}{{ $repo }}@{{ .image.digest }}{{ else }}{{ $repo }}:{{ default .appVersion .image.tag }}{{ end -}}
+{{- end }}
+
 {{- define "tollgate.image" -}}
-{{ .Values.image.repository }}:{{ default .Chart.AppVersion .Values.image.tag }}
+{{ include "tollgate.imageRef" (dict "image" .Values.image "registry" .Values.imageRegistry "appVersion" .Chart.AppVersion) }}
 {{- end }}
 
 {{- define "tollgate.sidecarImage" -}}
-{{ .Values.sidecar.image.repository }}:{{ default .Chart.AppVersion .Values.sidecar.image.tag }}
+{{ include "tollgate.imageRef" (dict "image" .Values.sidecar.image "registry" .Values.imageRegistry "appVersion" .Chart.AppVersion) }}
 {{- end }}
 
 {{/* The Redis URL passed to sidecars ("" when global limits stay per sidecar). */}}

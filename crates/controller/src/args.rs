@@ -87,6 +87,12 @@ pub struct Args {
     #[arg(long, env = "TOLLGATE_IDENTITY")]
     pub identity: Option<String>,
 
+    /// This replica's Pod (name and UID, from the downward API): its membership Lease is owned
+    /// by the Pod, so the garbage collector removes the Lease with the Pod even when the
+    /// controller could not (an uninstall deletes the RBAC before the Pods stop).
+    #[arg(long, env = "POD_UID")]
+    pub pod_uid: Option<String>,
+
     /// Minimum time between two status writes of one policy.
     #[arg(long, env = "TOLLGATE_STATUS_MIN_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub status_min_interval: Duration,

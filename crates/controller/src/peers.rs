@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
@@ -62,6 +62,9 @@ pub struct PeerConfig {
     pub identity: String,
     /// A report not renewed for this long is dropped.
     pub duration: Duration,
+    /// The Pod this replica runs in, `(name, uid)`: owner of its Lease, so the Lease goes when
+    /// the Pod does.
+    pub owner_pod: Option<(String, String)>,
 }
 
 impl PeerConfig {
@@ -125,6 +128,15 @@ pub fn lease_object(config: &PeerConfig, report: &MembershipReport) -> std::io::
             namespace: Some(config.namespace.clone()),
             labels: Some([(LABEL.to_string(), config.group.clone())].into()),
             annotations: Some([(ANNOTATION.to_string(), json)].into()),
+            owner_references: config.owner_pod.as_ref().map(|(name, uid)| {
+                vec![OwnerReference {
+                    api_version: "v1".into(),
+                    kind: "Pod".into(),
+                    name: name.clone(),
+                    uid: uid.clone(),
+                    ..OwnerReference::default()
+                }]
+            }),
             ..ObjectMeta::default()
         },
         spec: Some(LeaseSpec {
@@ -368,6 +380,7 @@ mod tests {
             group: "tollgate-controller".into(),
             identity: identity.into(),
             duration: Duration::from_secs(15),
+            owner_pod: None,
         }
     }
 
@@ -389,6 +402,30 @@ mod tests {
         assert_ne!(
             config("controller-0").lease_name(),
             config("controller-1").lease_name()
+        );
+    }
+
+    #[test]
+    fn the_lease_is_owned_by_the_replica_pod_when_known() {
+        assert_eq!(
+            lease_object(&config("b"), &report())
+                .unwrap()
+                .metadata
+                .owner_references,
+            None
+        );
+        let owned = PeerConfig {
+            owner_pod: Some(("controller-b".into(), "uid-b".into())),
+            ..config("b")
+        };
+        let refs = lease_object(&owned, &report())
+            .unwrap()
+            .metadata
+            .owner_references;
+        let owner = &refs.as_deref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.name.as_str(), owner.uid.as_str()),
+            ("Pod", "controller-b", "uid-b")
         );
     }
 

@@ -150,6 +150,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             group: args.lease_name.clone(),
             identity: identity.clone(),
             duration: args.lease_duration,
+            owner_pod: std::env::var("POD_NAME")
+                .ok()
+                .zip(args.pod_uid.clone())
+                .filter(|(name, uid)| !name.is_empty() && !uid.is_empty()),
         };
         tokio::spawn(
             crate::peers::follow(client.clone(), peers.clone(), index.clone())

@@ -287,6 +287,30 @@ fn chart_crd_is_a_copy_of_the_generated_crd() {
 }
 
 #[test]
+fn chart_examples_are_copies_of_manifests_examples() {
+    let root = repo_root();
+    let dir = root.join("charts/tollgate/examples");
+    let shipped: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(
+        shipped.iter().any(|f| f == "per-api-key.yaml"),
+        "{shipped:?}"
+    );
+    for f in &shipped {
+        let ours = std::fs::read(dir.join(f)).unwrap();
+        let source = std::fs::read(root.join("manifests/examples").join(f)).unwrap_or_default();
+        assert!(
+            ours == source,
+            "charts/tollgate/examples/{f} differs from manifests/examples/{f}; copy it:\n  \
+             cp manifests/examples/{f} charts/tollgate/examples/"
+        );
+    }
+    // tests/node checks that the NOTES helm prints on install name these files.
+}
+
+#[test]
 fn install_yaml_is_exactly_helm_template_output() {
     let out = helm_offline(&[
         "template",

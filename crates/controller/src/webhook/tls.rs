@@ -30,7 +30,13 @@ pub async fn accept(
     match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
         Ok(Ok(stream)) => Some(stream),
         Ok(Err(error)) => {
-            tracing::debug!(%peer, %error, "{what} TLS handshake failed");
+            if client_distrusts_us(&error) {
+                tracing::warn!(%peer, %error, "{what} client rejected this controller's certificate: it trusts another CA, \
+                    typically a sidecar injected before the webhook CA Secret was re-created (reinstall without keeping it); \
+                    restore that Secret or re-create the pod so it is injected with the current CA");
+            } else {
+                tracing::debug!(%peer, %error, "{what} TLS handshake failed");
+            }
             None
         }
         Err(_) => {
@@ -38,6 +44,19 @@ pub async fn accept(
             None
         }
     }
+}
+
+/// Whether the client ended the handshake because it does not trust our certificate chain.
+fn client_distrusts_us(error: &std::io::Error) -> bool {
+    use rustls::AlertDescription as A;
+    matches!(
+        error
+            .get_ref()
+            .and_then(|e| e.downcast_ref::<rustls::Error>()),
+        Some(rustls::Error::AlertReceived(
+            A::UnknownCA | A::BadCertificate
+        ))
+    )
 }
 
 /// File names in the certificate directory (the `kubernetes.io/tls` Secret keys).
