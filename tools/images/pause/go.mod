@@ -1,0 +1,3 @@
+module example.invalid/tollgate/images/pause
+
+go 1.26.0
