@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-log() { printf '\n==> %s\n' "$*" >&2; }
+log() { printf '\n==> [%s, %ss] %s\n' "$(date +%T)" "$SECONDS" "$*" >&2; }
 
 # Debian packages the tests use as real parts (redis-server for the global limiter tests,
 # openssl for test PKI, curl for smoke checks, valgrind to count the sidecar's instructions per
@@ -15,6 +15,14 @@ command -v redis-server >/dev/null || need_pkgs+=(redis-server)
 command -v openssl >/dev/null || need_pkgs+=(openssl)
 command -v curl >/dev/null || need_pkgs+=(curl)
 command -v valgrind >/dev/null || need_pkgs+=(valgrind)
+# The real node (tools/node): containerd and runc run the pods, the CNI plugins wire them,
+# iptables and conntrack serve kube-proxy, busybox-static is the test app image.
+command -v containerd >/dev/null || need_pkgs+=(containerd)
+command -v runc >/dev/null || need_pkgs+=(runc)
+[ -x /usr/lib/cni/bridge ] || need_pkgs+=(containernetworking-plugins)
+command -v iptables-restore >/dev/null || need_pkgs+=(iptables)
+command -v conntrack >/dev/null || need_pkgs+=(conntrack)
+[ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1 || need_pkgs+=(busybox-static)
 if ((${#need_pkgs[@]})); then
   log "installing ${need_pkgs[*]}"
   SUDO=""
@@ -27,11 +35,13 @@ if ((${#need_pkgs[@]})); then
 fi
 # A package install may start a system redis-server; tests start their own on free ports.
 
-# Real kube-apiserver, etcd and helm for the end-to-end tests, built from Go modules once and
-# cached under .cache/k8sbin (about 10 minutes cold on 2 cores, instant when cached).
+# Real kube-apiserver, etcd and helm for the end-to-end tests, and kubelet, kube-scheduler,
+# kube-controller-manager, kube-proxy and CoreDNS for the real node, built from Go modules once
+# and cached under .cache/k8sbin (about 16 minutes cold on 2 cores, instant when cached).
 command -v go >/dev/null || { echo "Go is needed to build the end-to-end test binaries (tools/k8sbin)" >&2; exit 1; }
 command -v kubectl >/dev/null || { echo "kubectl is needed for the end-to-end tests" >&2; exit 1; }
-log "tools/k8sbin/build.sh (kube-apiserver, etcd, helm)"
+python3 -m pytest --version >/dev/null 2>&1 || { echo "pytest is needed for the real-node tests: python3 -m pip install pytest" >&2; exit 1; }
+log "tools/k8sbin/build.sh (kube-apiserver, etcd, helm, kubelet, kube-scheduler, kube-controller-manager, kube-proxy, coredns)"
 K8SBIN_DIR=$(./tools/k8sbin/build.sh | tail -n 1)
 export K8SBIN_DIR
 
@@ -57,6 +67,23 @@ set +e
 cargo test --workspace --locked --no-fail-fast 2>&1 | tee target/test-output.log
 status=${PIPESTATUS[0]}
 set -e
+
+log "container images (tools/images/build.sh: release binaries, pause, test app, redis)"
+set +e
+IMAGES_DIR=$(./tools/images/build.sh | tail -n 1)
+images_status=$?
+set -e
+export IMAGES_DIR
+if [ "$images_status" = 0 ]; then
+  log "real-node tests (tools/node/run-tests.sh: kubelet + containerd in private namespaces, tests/node)"
+  set +e
+  ./tools/node/run-tests.sh 2>&1 | tee -a target/test-output.log
+  node_status=${PIPESTATUS[0]}
+  set -e
+  [ "$node_status" = 0 ] || status=$node_status
+else
+  status=$images_status
+fi
 
 log "fuzz corpus replay (fuzz/ is its own workspace; stable toolchain, no libFuzzer)"
 set +e

@@ -1,0 +1,77 @@
+"""The daemonless images (tools/images/build.sh): reproducible, minimal, non-root, and described
+the same way by the Dockerfile that users with a container engine build from."""
+import json
+import os
+import re
+import shlex
+import subprocess
+import tarfile
+
+from conftest import ROOT
+
+IMAGES = os.environ.get("IMAGES_DIR", os.path.join(ROOT, ".cache/images"))
+PRODUCT = ["tollgate-sidecar", "tollgate-controller"]
+
+
+def image_config(name):
+    with tarfile.open(os.path.join(IMAGES, f"{name}.tar")) as t:
+        blob = lambda d: json.load(t.extractfile("blobs/sha256/" + d.split(":")[1]))
+        index = json.load(t.extractfile("index.json"))
+        manifest = blob(index["manifests"][0]["digest"])
+        layer = t.extractfile("blobs/sha256/" + manifest["layers"][0]["digest"].split(":")[1])
+        with tarfile.open(fileobj=layer, mode="r:gz") as lt:
+            files = {m.name: m for m in lt.getmembers()}
+        return index, blob(manifest["config"]["digest"])["config"], files
+
+
+def dockerfile_stage(target):
+    """LABEL, USER, EXPOSE, ENTRYPOINT and the COPY destination of one Dockerfile stage."""
+    text = open(os.path.join(ROOT, "Dockerfile")).read().replace("\\\n", " ")
+    stage = re.search(rf"^FROM \S+ AS {target}\n(.*?)(?=^FROM |\Z)", text, re.S | re.M).group(1)
+    out = {"labels": {}, "expose": [], "user": None, "entrypoint": None, "copy": None}
+    for line in stage.splitlines():
+        word, _, rest = line.partition(" ")
+        if word == "LABEL":
+            out["labels"].update(kv.split("=", 1) for kv in shlex.split(rest))
+        elif word == "USER":
+            out["user"] = rest.strip()
+        elif word == "EXPOSE":
+            out["expose"] += rest.split()
+        elif word == "ENTRYPOINT":
+            out["entrypoint"] = json.loads(rest)
+        elif word == "COPY":
+            out["copy"] = rest.split()[-1]
+    return out
+
+
+def test_dockerfile_describes_the_daemonless_images():
+    for name in PRODUCT:
+        _, cfg, files = image_config(name)
+        want = dockerfile_stage(name.removeprefix("tollgate-"))
+        assert cfg["Entrypoint"] == want["entrypoint"] == [f"/usr/local/bin/{name}"], (cfg, want)
+        assert want["copy"].lstrip("/") in files and files[want["copy"].lstrip("/")].mode & 0o111
+        assert cfg["User"] == want["user"] == "65532:65532"
+        assert sorted(cfg["ExposedPorts"]) == sorted(want["expose"]), (cfg["ExposedPorts"], want["expose"])
+        labels = dict(cfg["Labels"])
+        assert labels.pop("org.opencontainers.image.revision") and want["labels"].pop("org.opencontainers.image.revision")
+        assert labels == want["labels"], (labels, want["labels"])
+
+
+def test_images_are_minimal_and_non_root():
+    for name in PRODUCT:
+        _, cfg, files = image_config(name)
+        assert "bin/sh" not in files and "usr/bin/sh" not in files, "no shell in the product images"
+        assert "etc/ssl/certs/ca-certificates.crt" in files
+        assert "etc/passwd" in files and "tmp" in files and files["tmp"].mode & 0o1000
+        assert all(m.uid == 0 and m.gid == 0 for m in files.values())
+        assert not any(m.mode & 0o4000 for m in files.values()), "no setuid files"
+
+
+def test_building_twice_from_one_commit_gives_the_same_digests(tmp_path):
+    """A second build (cargo is up to date, so this only re-packs) into another folder."""
+    env = dict(os.environ, IMAGES_OUT=str(tmp_path))
+    subprocess.run([os.path.join(ROOT, "tools/images/build.sh")], env=env, check=True,
+                   stdout=subprocess.DEVNULL, timeout=600)
+    first = open(os.path.join(IMAGES, "digests")).read()
+    assert open(tmp_path / "digests").read() == first
+    assert len(first.splitlines()) == 5, first
