@@ -69,7 +69,8 @@ def test_images_are_minimal_and_non_root():
 
 def test_building_twice_from_one_commit_gives_the_same_digests(tmp_path):
     """A second build (cargo is up to date, so this only re-packs) into another folder."""
-    env = dict(os.environ, IMAGES_OUT=str(tmp_path))
+    profile = open(os.path.join(IMAGES, "profile")).read().strip()
+    env = dict(os.environ, IMAGES_OUT=str(tmp_path), IMAGES_PROFILE=profile)
     subprocess.run([os.path.join(ROOT, "tools/images/build.sh")], env=env, check=True,
                    stdout=subprocess.DEVNULL, timeout=600)
     first = open(os.path.join(IMAGES, "digests")).read()

@@ -140,15 +140,17 @@ def test_cluster_dns_resolves_services_from_a_pod():
 def test_per_key_policy_answers_429_through_the_service():
     kubectl("wait", "-n", APP_NS, "rlp/shop-api-keys", "--for=condition=Programmed", "--timeout=60s")
     ip = service_ip(APP_NS, APP)
-    statuses, last = [], None
+    statuses, last, started = [], None, time.monotonic()
     for _ in range(40):
         status, headers, body = get(ip, 80, headers={"x-api-key": "customer-1"})
         statuses.append(status)
         if status == 429:
             last = (headers, body)
-    admitted = statuses.count(200)
-    # Burst 20, shared by the 3 pods through the dev Redis (leases: within one token).
-    assert 19 <= admitted <= 21, statuses
+    admitted, elapsed = statuses.count(200), time.monotonic() - started
+    # Burst 20 plus the refill at 100/min while the loop ran, shared by the 3 pods through the
+    # dev Redis (leases: within one token).
+    refill = int(elapsed * 100 / 60) + 1
+    assert 19 <= admitted <= 21 + refill, (statuses, elapsed)
     assert set(statuses) <= {200, 429}, statuses
     headers, body = last
     assert int(headers["retry-after"]) >= 1, headers
@@ -215,6 +217,125 @@ def test_a_killed_sidecar_restarts_alone_and_traffic_resumes():
     assert back <= 12, back  # kubelet restart (no back-off on the first restart) + start-up
 
 
+class Load:
+    """Background requests across the pods while something is disrupted; each gets its own key,
+    so only disruption (not a limit) can fail them."""
+
+    def __init__(self, targets, path="/", headers=None):
+        import threading
+        self.targets, self.path, self.headers = targets, path, headers or {}
+        self.results, self.stop = [], threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        i = 0
+        while not self.stop.is_set():
+            ip, port = self.targets[i % len(self.targets)]
+            try:
+                status = get(ip, port, self.path, headers={"x-api-key": f"load-{i}", **self.headers}, timeout=5)[0]
+            except OSError as e:
+                status = f"error: {e}"
+            self.results.append((time.monotonic(), status))
+            i += 1
+            time.sleep(0.01)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(10)
+
+    def counts(self, since=0.0):
+        out = {}
+        for t, s in self.results:
+            if t >= since:
+                out[s] = out.get(s, 0) + 1
+        return out
+
+
+def app_targets():
+    return [(p["status"]["podIP"], 8081) for p in pods(APP_NS, f"app={APP}")]
+
+
+def programmed_generation(name):
+    rlp = kjson("get", "rlp", "-n", APP_NS, name)
+    cond = next((c for c in rlp.get("status", {}).get("conditions", []) if c["type"] == "Programmed"), {})
+    return cond.get("status") == "True" and cond.get("observedGeneration") == rlp["metadata"]["generation"]
+
+
+def test_deleting_the_leader_keeps_sidecars_enforcing_and_status_written():
+    leader = kjson("get", "lease", "-n", SYSTEM_NS, f"{RELEASE}-controller")["spec"]["holderIdentity"]
+    with Load(app_targets()) as load:
+        time.sleep(1)
+        kubectl("delete", "pod", "-n", SYSTEM_NS, leader, "--wait=false")
+        new = eventually("another replica leads", lambda: (lambda h: h if h and h != leader else None)(
+            kjson("get", "lease", "-n", SYSTEM_NS, f"{RELEASE}-controller")["spec"].get("holderIdentity")), timeout=60)
+        # The new leader writes status: a spec change is reported Programmed at its generation.
+        kubectl("patch", "rlp", "-n", APP_NS, "shop-api-keys", "--type=merge", "-p",
+                '{"metadata":{"labels":{"touched":"1"}},"spec":{"rules":[{"name":"per-api-key","key":[{"header":"x-api-key"}],'
+                '"limit":{"requests":100,"period":"1m","burst":21,"algorithm":"TokenBucket"}}]}}')
+        eventually("status written by the new leader", lambda: programmed_generation("shop-api-keys"), timeout=60)
+        time.sleep(1)
+    counts = load.counts()
+    assert set(counts) == {200}, counts
+    print(f"leader {leader} deleted -> {new} leads; {counts[200]} requests, all 200")
+    kubectl("-n", SYSTEM_NS, "rollout", "status", f"deployment/{RELEASE}-controller", "--timeout=120s")
+
+
+OUTAGE_POLICY = """
+apiVersion: tollgate.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: shop-outage, namespace: shop}
+spec:
+  targetRef: {selector: {matchLabels: {app: shop-api}}}
+  rules:
+    - name: open-rule
+      match: {headers: [{name: x-outage, value: open}]}
+      limit: {requests: 100000, period: 1h}
+      failureMode: Open
+    - name: closed-rule
+      match: {headers: [{name: x-outage, value: closed}]}
+      limit: {requests: 100000, period: 1h}
+      failureMode: Closed
+"""
+
+
+def test_a_redis_outage_follows_each_rules_failure_mode():
+    apply(OUTAGE_POLICY)
+    kubectl("wait", "-n", APP_NS, "rlp/shop-outage", "--for=condition=Programmed", "--timeout=60s")
+    targets = app_targets()
+    probe = lambda mode: [get(ip, port, "/", headers={"x-outage": mode, "x-api-key": f"o-{mode}-{ip}"})[0]
+                          for ip, port in targets]
+    eventually("both rules admit with Redis up", lambda: probe("open") == [200] * 3 and probe("closed") == [200] * 3)
+    redis = pods(SYSTEM_NS, "app.kubernetes.io/component=redis")[0]["metadata"]["name"]
+    # Stop Redis without a replacement: scale its Deployment to 0.
+    kubectl("scale", "-n", SYSTEM_NS, f"deployment/{RELEASE}-redis", "--replicas=0")
+    kubectl("wait", "-n", SYSTEM_NS, f"pod/{redis}", "--for=delete", "--timeout=60s")
+    started = time.monotonic()
+    eventually("closed rule answers 503", lambda: probe("closed") == [503] * 3, timeout=30)
+    assert probe("open") == [200] * 3
+    status, headers, body = get(targets[0][0], 8081, "/", headers={"x-outage": "closed", "x-api-key": "o-503"})
+    assert status == 503 and int(headers["retry-after"]) >= 1, (status, headers)
+    print(f"Redis down -> closed rule 503 after {time.monotonic() - started:.1f}s, open rule serving")
+    # Recovery after the Redis pod is replaced is not asserted yet: on this node the sidecars
+    # kept answering 503 for the closed rule 90 s after the new Redis pod was Ready (an open
+    # defect, see the closing note of issue 14). Redis comes back for the tests after this one.
+    kubectl("scale", "-n", SYSTEM_NS, f"deployment/{RELEASE}-redis", "--replicas=1")
+
+
+def test_helm_upgrade_of_a_sidecar_setting_reaches_new_pods():
+    helm("upgrade", RELEASE, os.path.join(ROOT, "charts/tollgate"), "-n", SYSTEM_NS, "--reuse-values",
+         "--set", "sidecar.resources.limits.memory=96Mi", "--wait")
+    old = pods(APP_NS, f"app={APP}")[0]["metadata"]["name"]
+    kubectl("delete", "pod", "-n", APP_NS, old)
+    fresh = [p for p in app_pods_ready(3) if p["metadata"]["name"] != old]
+    newest = max(fresh, key=lambda p: p["metadata"]["creationTimestamp"])
+    side = next(c for c in newest["spec"]["initContainers"] if c["name"] == "tollgate-sidecar")
+    assert side["resources"]["limits"]["memory"] == "96Mi", side["resources"]
+
+
 def test_uninstall_leaves_only_what_the_docs_say():
     helm("uninstall", RELEASE, "-n", SYSTEM_NS, "--wait", "--timeout", "120s")
     eventually("controller pods gone", lambda: not pods(SYSTEM_NS, CONTROLLER), timeout=120)
@@ -230,14 +351,47 @@ def test_uninstall_leaves_only_what_the_docs_say():
         assert not out, out
 
 
-def test_reinstall_reconnects_running_sidecars_without_restarts():
-    before = {p["metadata"]["name"]: sidecar_status(p)["restartCount"] for p in pods(APP_NS, f"app={APP}")}
-    helm("install", RELEASE, os.path.join(ROOT, "charts/tollgate"), "-n", SYSTEM_NS, *REDIS_DEV)
+def sidecar_restarts():
+    return {p["metadata"]["name"]: sidecar_status(p)["restartCount"] for p in pods(APP_NS, f"app={APP}")}
+
+
+def current_rules_reach_every_pod(marker):
+    """A new policy made after the (re)install is enforced by every running pod: proof that each
+    sidecar is on the new controller's stream, with current rules."""
+    apply(f"""
+apiVersion: tollgate.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {{name: {marker}, namespace: shop}}
+spec:
+  targetRef: {{selector: {{matchLabels: {{app: shop-api}}}}}}
+  rules:
+    - name: once
+      match: {{path: {{prefix: /{marker}}}}}
+      scope: Local
+      limit: {{requests: 1, period: 1h}}
+""")
     started = time.monotonic()
-    for p in pods(APP_NS, f"app={APP}"):
-        ip = p["status"]["podIP"]
-        eventually(f"{p['metadata']['name']} back on the stream", lambda: b"tollgate_controller_connected 1" in
-                   get(ip, 9091, "/metrics")[2], timeout=30)
-    print(f"reinstall -> all sidecars on the stream after {time.monotonic() - started:.1f}s")
-    after = {p["metadata"]["name"]: sidecar_status(p)["restartCount"] for p in pods(APP_NS, f"app={APP}")}
-    assert after == before, (before, after)
+    for ip, port in app_targets():
+        # The first request is admitted (404: no such file), the second rejected once the rule is there.
+        eventually(f"{ip} enforces {marker}", lambda: get(ip, port, f"/{marker}")[0] == 429, timeout=30)
+    return time.monotonic() - started
+
+
+def test_reinstall_reconnects_running_sidecars_without_restarts():
+    before = sidecar_restarts()
+    started = time.monotonic()
+    helm("install", RELEASE, os.path.join(ROOT, "charts/tollgate"), "-n", SYSTEM_NS, *REDIS_DEV, "--wait")
+    took = current_rules_reach_every_pod("after-helm-reinstall")
+    print(f"helm reinstall -> current rules in every pod after {time.monotonic() - started:.1f}s ({took:.1f}s after apply)")
+    assert sidecar_restarts() == before
+
+
+def test_switching_from_helm_to_install_yaml_keeps_running_sidecars():
+    before = sidecar_restarts()
+    helm("uninstall", RELEASE, "-n", SYSTEM_NS, "--wait", "--timeout", "120s")
+    started = time.monotonic()
+    kubectl("apply", "-f", os.path.join(ROOT, "manifests/install.yaml"))
+    kubectl("-n", SYSTEM_NS, "rollout", "status", f"deployment/{RELEASE}-controller", "--timeout=180s")
+    current_rules_reach_every_pod("after-install-yaml")
+    print(f"helm -> install.yaml: current rules in every pod after {time.monotonic() - started:.1f}s")
+    assert sidecar_restarts() == before

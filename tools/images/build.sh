@@ -94,4 +94,5 @@ if want redis; then
 fi
 
 mv -f "$OUT/digests.tmp" "$OUT/digests"
+echo "$PROFILE" > "$OUT/profile"
 echo "$OUT"
