@@ -357,8 +357,9 @@ def sidecar_restarts():
 
 def current_rules_reach_every_pod(marker):
     """A new policy made after the (re)install is enforced by every running pod: proof that each
-    sidecar is on the new controller's stream, with current rules."""
-    apply(f"""
+    sidecar is on the new controller's stream, with current rules. The apply is retried: right
+    after a rollout, kube-proxy may not yet route the webhook Service to the new endpoints."""
+    eventually("the policy is accepted by the new controller's webhook", lambda: kubectl("apply", "-f", "-", check=False, input=f"""
 apiVersion: tollgate.dev/v1alpha1
 kind: RateLimitPolicy
 metadata: {{name: {marker}, namespace: shop}}
@@ -369,7 +370,7 @@ spec:
       match: {{path: {{prefix: /{marker}}}}}
       scope: Local
       limit: {{requests: 1, period: 1h}}
-""")
+""").returncode == 0, timeout=60, every=1)
     started = time.monotonic()
     for ip, port in app_targets():
         # The first request is admitted (404: no such file), the second rejected once the rule is there.
