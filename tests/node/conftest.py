@@ -75,11 +75,3 @@ def pods(ns, selector):
 
 def ready(pod):
     return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
-
-
-@pytest.fixture(scope="session")
-def images():
-    """name -> reference of the images tools/images/build.sh made (.cache/images/digests)."""
-    path = os.environ.get("IMAGES_DIR", os.path.join(ROOT, ".cache/images"))
-    with open(os.path.join(path, "digests")) as f:
-        return {line.split()[0]: line.split()[2] for line in f if line.strip()}

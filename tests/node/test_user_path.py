@@ -53,6 +53,11 @@ def service_ip(ns, name):
     return kjson("get", "service", "-n", ns, name)["spec"]["clusterIP"]
 
 
+def app_targets():
+    """(pod IP, sidecar port) of every app pod."""
+    return [(p["status"]["podIP"], 8081) for p in pods(APP_NS, f"app={APP}")]
+
+
 def app_pods_ready(n):
     def check():
         ps = [p for p in pods(APP_NS, f"app={APP}") if not p["metadata"].get("deletionTimestamp")]
@@ -193,8 +198,7 @@ def drive(targets, path, n, workers=8):
 def test_global_limit_holds_within_one_percent_across_pods():
     apply(GLOBAL_POLICY)
     kubectl("wait", "-n", APP_NS, "rlp/shop-global", "--for=condition=Programmed", "--timeout=60s")
-    targets = [(p["status"]["podIP"], 8081) for p in pods(APP_NS, f"app={APP}")]
-    counts = drive(targets, "/global/", 900)
+    counts = drive(app_targets(), "/global/", 900)
     assert set(counts) <= {200, 429}, counts
     assert abs(counts.get(200, 0) - 300) <= 3, counts
 
@@ -255,10 +259,6 @@ class Load:
             if t >= since:
                 out[s] = out.get(s, 0) + 1
         return out
-
-
-def app_targets():
-    return [(p["status"]["podIP"], 8081) for p in pods(APP_NS, f"app={APP}")]
 
 
 def programmed_generation(name):

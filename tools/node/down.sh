@@ -26,22 +26,21 @@ stop() { # name
 }
 
 # The kubelet first, so it does not restart what is being killed.
+# kill_listed LIST_COMMAND...: SIGKILL what the command lists, until it lists nothing (3 rounds).
+kill_listed() {
+  local pids
+  for _ in 1 2 3; do
+    pids=$("$@")
+    [ -n "$pids" ] || return 0
+    # shellcheck disable=SC2086
+    kill -KILL $pids 2>/dev/null
+    sleep 0.3
+  done
+}
 stop kubelet
-for _ in 1 2 3; do
-  pids=$(cgroup_pids)
-  [ -n "$pids" ] || break
-  # shellcheck disable=SC2086
-  kill -KILL $pids 2>/dev/null
-  sleep 0.3
-done
+kill_listed cgroup_pids
 for d in kube-proxy coredns containerd kube-scheduler kube-controller-manager kube-apiserver etcd; do stop "$d"; done
-for _ in 1 2 3; do
-  pids=$(ns_pids "$RUN")
-  [ -n "$pids" ] || break
-  # shellcheck disable=SC2086
-  kill -KILL $pids 2>/dev/null
-  sleep 0.3
-done
+kill_listed ns_pids "$RUN"
 stop holder
 # Children of the holder (it exec'd sleep under unshare --fork): wait until nothing is left.
 for _ in $(seq 50); do [ -z "$(ns_pids "$RUN")" ] && break; sleep 0.1; done
