@@ -195,9 +195,16 @@ def drive(targets, path, n, workers=8):
     return {s: res.count(s) for s in set(res)}
 
 
+def in_sync(name, n):
+    """The policy's current version is enforced by n sidecars (the Sidecars column): before
+    that, a sidecar still on the previous rule set admits requests the new rule would count."""
+    return kjson("get", "rlp", "-n", APP_NS, name).get("status", {}).get("sidecarsInSync") == n
+
+
 def test_global_limit_holds_within_one_percent_across_pods():
     apply(GLOBAL_POLICY)
     kubectl("wait", "-n", APP_NS, "rlp/shop-global", "--for=condition=Programmed", "--timeout=60s")
+    eventually("shop-global enforced by the 3 sidecars", lambda: in_sync("shop-global", 3), timeout=60)
     counts = drive(app_targets(), "/global/", 900)
     assert set(counts) <= {200, 429}, counts
     assert abs(counts.get(200, 0) - 300) <= 3, counts
