@@ -106,7 +106,17 @@ def test_install_with_the_readme_commands():
                pods(SYSTEM_NS, "app.kubernetes.io/component=redis"), timeout=120)
 
 
+def injection_serves():
+    """A server-side dry run of a pod in the labelled namespace comes back with the sidecar."""
+    pod = json.loads(kubectl("run", "probe", "-n", APP_NS, "--image=tollgate.test/app:1", "--port=8080",
+                             "--dry-run=server", "-o", "json").stdout)
+    return any(c["name"] == "tollgate-sidecar" for c in pod["spec"].get("initContainers", []))
+
+
 def test_app_pods_get_the_native_sidecar_and_turn_ready():
+    # `helm install --wait` can return before kube-proxy routes the webhook Service; the
+    # injection webhook fails open (failurePolicy Ignore), so a pod created then has no sidecar.
+    eventually("the injection webhook answers through its Service", injection_serves, timeout=60, every=1)
     apply(app_deployment(3))
     apply(APP_SERVICE)
     ps = app_pods_ready(3)
