@@ -300,6 +300,12 @@ fn arbitrary_policy(data: &[u8]) -> Option<tollgate_crd::RateLimitPolicy> {
                     None
                 },
                 max: u.arbitrary::<bool>().ok()?.then(|| edge_u32(u)).flatten(),
+                response_header: if u.arbitrary().ok()? {
+                    Some(pick(u, HEADERS)?)
+                } else {
+                    None
+                },
+                reserve: u.arbitrary::<bool>().ok()?.then(|| edge_u32(u)).flatten(),
             });
         }
     }

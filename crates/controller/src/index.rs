@@ -75,6 +75,21 @@ impl PolicyInput {
         })
     }
 
+    /// Compiles a policy object from the API server: unknown `spec` fields are errors too.
+    pub fn from_decoded(decoded: &tollgate_crd::Decoded) -> Option<PolicyInput> {
+        let policy = &decoded.policy;
+        let mut input = PolicyInput::from_policy(policy)?;
+        let unknown = decoded.unknown_spec_fields();
+        if !unknown.is_empty() {
+            let mut errors = unknown;
+            if let Err(more) = input.compiled {
+                errors.extend(more);
+            }
+            input.compiled = Err(errors);
+        }
+        Some(input)
+    }
+
     /// An object that could not even be deserialized as a `RateLimitPolicy`.
     pub fn undecodable(metadata: &ObjectMeta, error: &str) -> Option<PolicyInput> {
         Some(PolicyInput {

@@ -15,7 +15,7 @@ use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tollgate_crd::RateLimitPolicy;
+use tollgate_crd::Decoded;
 use tracing::Instrument;
 
 use crate::args::{Args, LogFormat};
@@ -314,7 +314,10 @@ async fn shutdown_signal() {
 }
 
 /// Feeds RateLimitPolicy watch events into the index. Objects that do not decode are indexed
-/// as invalid (their last good version stays in force); nothing stops the loop.
+/// as invalid (their last good version stays in force); nothing stops the loop. Decoding is
+/// lenient: an object with an unknown `spec` field (stored while the validating webhook was
+/// absent) decodes, and is indexed as invalid with `<path>: unknown field`, like any other
+/// error (`Accepted=False`, last good version kept), instead of failing the whole watch.
 async fn watch_policies(
     client: kube::Client,
     scope: Option<String>,
@@ -322,7 +325,7 @@ async fn watch_policies(
     metrics: Metrics,
     synced: watch::Sender<bool>,
 ) {
-    let api: Api<DeserializeGuard<RateLimitPolicy>> = match &scope {
+    let api: Api<DeserializeGuard<Decoded>> = match &scope {
         Some(ns) => Api::namespaced(client, ns),
         None => Api::all(client),
     };
@@ -372,17 +375,17 @@ async fn watch_policies(
 }
 
 fn guard_metadata(
-    obj: &DeserializeGuard<RateLimitPolicy>,
+    obj: &DeserializeGuard<Decoded>,
 ) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
     match &obj.0 {
-        Ok(p) => &p.metadata,
+        Ok(d) => &d.policy.metadata,
         Err(invalid) => &invalid.metadata,
     }
 }
 
-fn policy_input(obj: &DeserializeGuard<RateLimitPolicy>) -> Option<PolicyInput> {
+fn policy_input(obj: &DeserializeGuard<Decoded>) -> Option<PolicyInput> {
     match &obj.0 {
-        Ok(policy) => PolicyInput::from_policy(policy),
+        Ok(decoded) => PolicyInput::from_decoded(decoded),
         Err(invalid) => PolicyInput::undecodable(&invalid.metadata, &invalid.error),
     }
 }
@@ -395,7 +398,7 @@ pub type CompileLog = std::collections::HashMap<(String, String), Option<i64>>;
 /// returns whether sidecars get new rules and the index version, when it knows. Traced as
 /// `tollgate reconcile` when traces are on (see [`crate::telemetry`]).
 pub fn reconcile_policy(
-    obj: &DeserializeGuard<RateLimitPolicy>,
+    obj: &DeserializeGuard<Decoded>,
     logged: &mut CompileLog,
     apply: impl FnOnce(PolicyInput) -> Option<(bool, u64)>,
 ) {

@@ -172,11 +172,15 @@ async fn reconciles_status_writes_and_token_reviews_are_traced() {
         let bad = policy("broken", 7, 1, false);
         let mut logged = CompileLog::new();
         for p in [&good, &bad] {
-            reconcile_policy(&DeserializeGuard(Ok(p.clone())), &mut logged, |input| {
-                let mut ix = index.write();
-                let changed = ix.apply_policy(input);
-                Some((changed, ix.version()))
-            });
+            reconcile_policy(
+                &DeserializeGuard(Ok(p.clone().into())),
+                &mut logged,
+                |input| {
+                    let mut ix = index.write();
+                    let changed = ix.apply_policy(input);
+                    Some((changed, ix.version()))
+                },
+            );
         }
 
         // Status writes (and the Event for the rejected policy) through the traced client.

@@ -143,6 +143,8 @@ fn compile_spec(
         rules,
         bypass: compile_bypass(spec.bypass.as_ref(), errs),
         response_headers: spec.response_headers,
+        header_profile: spec.header_profile,
+        partition_key: spec.partition_key,
     }
 }
 
@@ -229,6 +231,31 @@ fn compile_rule(
 
     let limit = compile_limit(&rule.limit, &format!("{path}.limit"), errs);
     let cost = compile_cost(rule.cost.as_ref(), &format!("{path}.cost"), errs);
+    let count_statuses = rule
+        .count
+        .as_ref()
+        .map(|c| compile_statuses(&c.statuses, &format!("{path}.count.statuses"), errs))
+        .unwrap_or_default();
+    let settles = cost.response_header.is_some() || !count_statuses.is_empty();
+    if settles
+        && !matches!(
+            limit.algorithm,
+            Algorithm::TokenBucket | Algorithm::SlidingWindow | Algorithm::FixedWindow
+        )
+    {
+        let field = if cost.response_header.is_some() {
+            "cost.responseHeader"
+        } else {
+            "count"
+        };
+        errs.push(
+            format!("{path}.{field}"),
+            format!(
+                "a cost settled at the response needs TokenBucket, SlidingWindow or FixedWindow ({:?} cannot carry a debt)",
+                limit.algorithm
+            ),
+        );
+    }
 
     if rule.scope == Scope::Global
         && !matches!(
@@ -263,7 +290,47 @@ fn compile_rule(
         accuracy: rule.accuracy,
         mode: rule.mode,
         failure_mode: rule.failure_mode.unwrap_or(spec.failure_mode),
+        count_statuses,
     }
+}
+
+/// `401` or `"4xx"` into inclusive ranges.
+fn compile_statuses(statuses: &[StatusMatch], path: &str, errs: &mut Errors) -> Vec<StatusRange> {
+    if statuses.is_empty() {
+        errs.push(
+            path,
+            "must list at least one status, e.g. [401, 403] or [\"5xx\"]",
+        );
+    }
+    statuses
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| {
+            let range = match s {
+                StatusMatch::Code(c) if (100..=599).contains(c) => {
+                    Some(StatusRange { from: *c, to: *c })
+                }
+                StatusMatch::Class(c) => match c.to_ascii_lowercase().as_bytes() {
+                    [d @ b'1'..=b'5', b'x', b'x'] => {
+                        let from = u16::from(d - b'0') * 100;
+                        Some(StatusRange {
+                            from,
+                            to: from + 99,
+                        })
+                    }
+                    _ => None,
+                },
+                StatusMatch::Code(_) => None,
+            };
+            if range.is_none() {
+                errs.push(
+                    format!("{path}[{i}]"),
+                    format!("{s:?} is not a status (100-599) or a class (\"1xx\" to \"5xx\")"),
+                );
+            }
+            range
+        })
+        .collect()
 }
 
 fn compile_match(m: &Match, path: &str, errs: &mut Errors) -> CompiledMatch {
@@ -489,12 +556,37 @@ fn compile_limit(l: &Limit, path: &str, errs: &mut Errors) -> CompiledLimit {
             ),
         );
     }
+    let block_for_ms = match &l.block_for {
+        Some(_) if l.algorithm == Algorithm::Concurrency => {
+            errs.push(
+                format!("{path}.blockFor"),
+                "does not apply to Concurrency (in-flight requests are not a rate to exceed)",
+            );
+            0
+        }
+        Some(d) => match duration::parse(d) {
+            Ok(d) if d > Duration::from_secs(MAX_PERIOD_SECS) || d.is_zero() => {
+                errs.push(
+                    format!("{path}.blockFor"),
+                    "must be greater than 0 and at most 24h",
+                );
+                0
+            }
+            Ok(d) => d.as_millis() as u64,
+            Err(e) => {
+                errs.push(format!("{path}.blockFor"), format!("{d:?}: {e}"));
+                0
+            }
+        },
+        None => 0,
+    };
     CompiledLimit {
         algorithm: l.algorithm,
         requests: l.requests,
         period_ms,
         burst,
         max_delay_ms,
+        block_for_ms,
     }
 }
 
@@ -519,10 +611,28 @@ fn compile_cost(c: Option<&Cost>, path: &str, errs: &mut Errors) -> CompiledCost
     if let Some(h) = &c.header {
         check_header_name(h, &format!("{path}.header"), errs);
     }
+    if let Some(h) = &c.response_header {
+        check_header_name(h, &format!("{path}.responseHeader"), errs);
+        if c.header.is_some() {
+            errs.push(
+                format!("{path}.responseHeader"),
+                "header and responseHeader exclude each other: the cost is known either when the request arrives or when the response does",
+            );
+        }
+    }
+    let reserve = c.reserve.unwrap_or(1);
+    if reserve > max {
+        errs.push(
+            format!("{path}.reserve"),
+            format!("{reserve} must not exceed cost.max ({max})"),
+        );
+    }
     CompiledCost {
         amount,
         header: c.header.as_ref().map(|h| h.to_ascii_lowercase()),
         max,
+        response_header: c.response_header.as_ref().map(|h| h.to_ascii_lowercase()),
+        reserve,
     }
 }
 
@@ -618,50 +728,4 @@ fn is_dns_label(s: &str) -> bool {
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
         && b[0] != b'-'
         && b[b.len() - 1] != b'-'
-}
-
-/// Parses one or more YAML documents holding `RateLimitPolicy` objects (empty documents are
-/// skipped). Errors name the document index.
-pub fn parse_yaml(text: &str) -> Result<Vec<RateLimitPolicy>, FieldError> {
-    use serde::Deserialize;
-    let mut out = Vec::new();
-    for (i, doc) in serde_norway::Deserializer::from_str(text).enumerate() {
-        let value = serde_norway::Value::deserialize(doc).map_err(|e| FieldError {
-            path: format!("document {i}"),
-            message: format!("not valid YAML: {e}"),
-        })?;
-        if value.is_null() {
-            continue;
-        }
-        let kind = value.get("kind").and_then(|k| k.as_str()).unwrap_or("");
-        if kind != "RateLimitPolicy" {
-            return Err(FieldError {
-                path: format!("document {i}.kind"),
-                message: format!("expected RateLimitPolicy, found {kind:?}"),
-            });
-        }
-        let api = value
-            .get("apiVersion")
-            .and_then(|k| k.as_str())
-            .unwrap_or("");
-        if api != "tollgate.dev/v1alpha1" {
-            return Err(FieldError {
-                path: format!("document {i}.apiVersion"),
-                message: format!("expected tollgate.dev/v1alpha1, found {api:?}"),
-            });
-        }
-        let policy: RateLimitPolicy = serde_path_to_error::deserialize(value).map_err(|e| {
-            let field = e.path().to_string();
-            FieldError {
-                path: if field == "." {
-                    format!("document {i}")
-                } else {
-                    field
-                },
-                message: e.into_inner().to_string(),
-            }
-        })?;
-        out.push(policy);
-    }
-    Ok(out)
 }

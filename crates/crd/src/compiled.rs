@@ -10,7 +10,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 pub use crate::policy::{
-    Accuracy, Algorithm, FailureMode, Method, MissingKey, Mode, ResponseHeaders, Scope,
+    Accuracy, Algorithm, FailureMode, HeaderProfile, Method, MissingKey, Mode, ResponseHeaders,
+    Scope,
 };
 
 /// Version of the wire format below.
@@ -31,6 +32,10 @@ pub struct CompiledPolicy {
     pub bypass: CompiledBypass,
     #[serde(default)]
     pub response_headers: ResponseHeaders,
+    #[serde(default)]
+    pub header_profile: HeaderProfile,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub partition_key: bool,
 }
 
 impl CompiledPolicy {
@@ -107,6 +112,34 @@ pub struct CompiledRule {
     pub mode: Mode,
     /// Resolved from the rule's override or the policy default.
     pub failure_mode: FailureMode,
+    /// Response statuses that count (inclusive ranges); empty: every request counts when it
+    /// arrives.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub count_statuses: Vec<StatusRange>,
+}
+
+impl CompiledRule {
+    /// Whether the rule's cost is settled when the response arrives (a response-header cost
+    /// or status-filtered counting): the request takes `cost.reserve` up front.
+    pub fn settles_at_response(&self) -> bool {
+        self.cost.response_header.is_some() || !self.count_statuses.is_empty()
+    }
+
+    /// Whether a response with `status` counts.
+    pub fn counts_status(&self, status: u16) -> bool {
+        self.count_statuses.is_empty()
+            || self
+                .count_statuses
+                .iter()
+                .any(|r| (r.from..=r.to).contains(&status))
+    }
+}
+
+/// An inclusive range of response statuses (`401..=401`, or `500..=599` for `"5xx"`).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatusRange {
+    pub from: u16,
+    pub to: u16,
 }
 
 /// Request conditions; empty lists and `None` match everything.
@@ -181,6 +214,13 @@ pub struct CompiledLimit {
     /// LeakyBucket: the longest a request may be delayed; 0 elsewhere.
     #[serde(default)]
     pub max_delay_ms: u64,
+    /// How long a key stays rejected once it exceeded the limit; 0 = not at all.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub block_for_ms: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Tokens spent per request.
@@ -191,6 +231,16 @@ pub struct CompiledCost {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub header: Option<String>,
     pub max: u32,
+    /// Response header carrying the real cost, settled when the response arrives.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_header: Option<String>,
+    /// Taken up front when the cost is settled at the response.
+    #[serde(default = "one")]
+    pub reserve: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 impl Default for CompiledCost {
@@ -199,6 +249,8 @@ impl Default for CompiledCost {
             amount: 1,
             header: None,
             max: DEFAULT_MAX_COST,
+            response_header: None,
+            reserve: 1,
         }
     }
 }
@@ -227,9 +279,24 @@ pub fn full_match_regex(src: &str) -> Result<regex::Regex, regex::Error> {
         .build()
 }
 
+/// Whether Global rules have a shared store behind them where a rule is described.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GlobalBackend {
+    Redis,
+    /// Standalone without `--redis`: Global rules fall back to local enforcement.
+    None,
+}
+
 impl CompiledRule {
-    /// What the rule does, in plain words (used by `tollgate-sidecar check` and dry runs).
+    /// What the rule does, in plain words (used by `tollgate-sidecar check` and dry runs), as
+    /// deployed with Redis.
     pub fn describe(&self) -> String {
+        self.describe_where(GlobalBackend::Redis)
+    }
+
+    /// What the rule does where it runs: a sidecar without Redis enforces a Global rule on its
+    /// own, and saying "shared by all sidecars" there would be untrue.
+    pub fn describe_where(&self, backend: GlobalBackend) -> String {
         let what = self.matches.describe();
         let per = if self.key.is_empty() {
             "one counter shared by all matching requests".to_string()
@@ -263,18 +330,13 @@ impl CompiledRule {
                 }
             ),
         };
-        let cost = match &self.cost.header {
-            Some(h) => format!(
-                "; each request costs header {h} (default {}, at most {})",
-                self.cost.amount, self.cost.max
-            ),
-            None if self.cost.amount != 1 => {
-                format!("; each request costs {} tokens", self.cost.amount)
-            }
-            None => String::new(),
-        };
+        let cost = self.describe_cost();
         let scope = match (self.scope, self.accuracy) {
             (Scope::Local, _) => "each sidecar on its own",
+            (Scope::Global, _) if backend == GlobalBackend::None => {
+                "Global, but enforced by this sidecar on its own: no Redis is configured, so each \
+                 sidecar allows the full limit"
+            }
             (Scope::Global, Accuracy::Leased) => "shared by all sidecars (leased from Redis)",
             (Scope::Global, Accuracy::Strict) => {
                 "shared by all sidecars (one Redis call per request)"
@@ -286,6 +348,7 @@ impl CompiledRule {
         };
         let failure = match (self.scope, self.failure_mode) {
             (Scope::Local, _) => "",
+            (Scope::Global, _) if backend == GlobalBackend::None => "",
             (Scope::Global, FailureMode::Open) => {
                 "; if Redis is unreachable: keeps serving at this sidecar's share"
             }
@@ -296,10 +359,53 @@ impl CompiledRule {
             (false, MissingKey::OwnBucket) => "; requests missing a key part share one bucket",
             (false, MissingKey::Skip) => "; requests missing a key part are not limited",
         };
+        let block = if l.block_for_ms > 0 {
+            format!(
+                "; a key that exceeds it stays rejected for {}",
+                crate::duration::format(std::time::Duration::from_millis(l.block_for_ms))
+            )
+        } else {
+            String::new()
+        };
         format!(
-            "{}: {what}: {limit}, {per}{cost}; {scope}; {mode}{failure}{missing}",
+            "{}: {what}: {limit}, {per}{cost}; {scope}; {mode}{block}{failure}{missing}",
             self.name
         )
+    }
+
+    /// The cost clause of [`describe_where`](Self::describe_where): fixed, from a request
+    /// header, or settled at the response, and which responses count.
+    fn describe_cost(&self) -> String {
+        let c = &self.cost;
+        let mut out = match (&c.header, &c.response_header) {
+            (Some(h), _) => format!(
+                "; each request costs header {h} (default {}, at most {})",
+                c.amount, c.max
+            ),
+            (None, Some(h)) => format!(
+                "; each request reserves {} tokens, then costs the response header {h} (at most {}; \
+                 the balance may go negative, so later requests wait)",
+                c.reserve, c.max
+            ),
+            (None, None) if c.amount != 1 => format!("; each request costs {} tokens", c.amount),
+            (None, None) => String::new(),
+        };
+        if !self.count_statuses.is_empty() {
+            let statuses: Vec<String> = self
+                .count_statuses
+                .iter()
+                .map(|r| match (r.from, r.to) {
+                    (a, b) if a == b => a.to_string(),
+                    (a, _) => format!("{}xx", a / 100),
+                })
+                .collect();
+            out.push_str(&format!(
+                "; only responses with status {} count (each request reserves {} until its response)",
+                statuses.join(", "),
+                c.reserve
+            ));
+        }
+        out
     }
 }
 

@@ -4,18 +4,22 @@
 
 pub mod compile;
 pub mod compiled;
+pub mod decode;
 pub mod duration;
 pub mod policy;
 pub mod stream;
 
-pub use compile::{CompileErrors, FieldError, compile, compile_parts, parse_yaml};
+pub use compile::{CompileErrors, FieldError, compile, compile_parts};
 pub use compiled::{CompiledPolicy, CompiledRule, WIRE_VERSION};
+pub use decode::{Decoded, parse_yaml, parse_yaml_documents};
 pub use policy::{RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus};
 
 use kube::CustomResourceExt;
 
 /// The CustomResourceDefinition, with schemars' unsigned formats mapped to the ones Kubernetes
-/// knows (`uint64` → `int64`), so applying it prints no "unrecognized format" warnings.
+/// knows (`uint64` → `int64`), so applying it prints no "unrecognized format" warnings, and
+/// every object under `spec` marked `x-kubernetes-preserve-unknown-fields` (see
+/// [`preserve_unknown_fields`]).
 pub fn crd()
 -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
     let crd = RateLimitPolicy::crd();
@@ -24,7 +28,45 @@ pub fn crd()
         Err(_) => return crd,
     };
     fix_formats(&mut value);
+    if let Some(versions) = value
+        .pointer_mut("/spec/versions")
+        .and_then(|v| v.as_array_mut())
+    {
+        for version in versions {
+            if let Some(spec) = version.pointer_mut("/schema/openAPIV3Schema/properties/spec") {
+                preserve_unknown_fields(spec);
+            }
+        }
+    }
     serde_json::from_value(value).unwrap_or(crd)
+}
+
+/// Marks every object node of `schema` (the flag is per node) with
+/// `x-kubernetes-preserve-unknown-fields: true`, so the API server stores a misspelled field
+/// instead of pruning it before admission. Pruning is silent for clients that do not ask for
+/// strict field validation (Helm, most GitOps tools): `burts: 5` would become no burst at all.
+/// Kept, the field reaches the validating webhook, which refuses it by name (see
+/// [`decode`]). Maps (`additionalProperties`, e.g. `matchLabels`) are left alone: every key
+/// is valid there.
+fn preserve_unknown_fields(schema: &mut serde_json::Value) {
+    let Some(node) = schema.as_object_mut() else {
+        return;
+    };
+    let is_object = node.get("type").and_then(|t| t.as_str()) == Some("object");
+    if is_object && !node.contains_key("additionalProperties") {
+        node.insert(
+            "x-kubernetes-preserve-unknown-fields".into(),
+            serde_json::Value::Bool(true),
+        );
+    }
+    if let Some(props) = node.get_mut("properties").and_then(|p| p.as_object_mut()) {
+        props.values_mut().for_each(preserve_unknown_fields);
+    }
+    for key in ["items", "additionalProperties"] {
+        if let Some(child) = node.get_mut(key) {
+            preserve_unknown_fields(child);
+        }
+    }
 }
 
 fn fix_formats(v: &mut serde_json::Value) {

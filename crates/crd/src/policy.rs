@@ -76,6 +76,19 @@ pub struct RateLimitPolicySpec {
     /// so well-behaved clients can pace themselves; `Rejected` only on 429s.
     #[serde(default)]
     pub response_headers: ResponseHeaders,
+
+    /// Which rate-limit fields responses carry. `Draft12` (default) sends `RateLimit-Policy` and
+    /// `RateLimit` as the current IETF draft (-12) defines them, one item per rule that applied;
+    /// `Draft10` adds the older `RateLimit-Limit`, `-Remaining` and `-Reset` fields; `XRateLimit`
+    /// sends only `X-RateLimit-Limit`, `-Remaining` and `-Reset`; `None` sends none (a 429 still
+    /// carries `Retry-After` and its problem body).
+    #[serde(default)]
+    pub header_profile: HeaderProfile,
+
+    /// Adds `pk`, a keyed hash of the rule's counter key (never the key itself), to the draft
+    /// fields, so a client holding several credentials can tell their quotas apart.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub partition_key: bool,
 }
 
 /// Selects the pods whose tollgate sidecars enforce the policy.
@@ -146,6 +159,45 @@ pub struct PolicyRule {
     /// Overrides the policy's `failureMode` for this rule.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure_mode: Option<FailureMode>,
+
+    /// Which responses count against the limit. Omitted: every request counts when it arrives.
+    /// With `statuses`, a request takes `cost.reserve` up front and keeps its cost only if the
+    /// response status matches, e.g. 5 failed logins (`[401, 403]`) per user per 15 minutes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub count: Option<Count>,
+}
+
+/// Which responses a rule counts.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Count {
+    /// Response statuses that count: codes such as `401`, or classes such as `"5xx"`.
+    #[schemars(length(min = 1, max = 32))]
+    #[x_kube(merge_strategy = ListMerge::Atomic)]
+    pub statuses: Vec<StatusMatch>,
+}
+
+/// A response status (`401`) or a class of them (`"4xx"`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum StatusMatch {
+    Code(u16),
+    Class(String),
+}
+
+/// Written by hand, as Kubernetes' own `IntOrString`: the derived `anyOf` carried an integer
+/// `format` the API server warns about inside an int-or-string.
+impl JsonSchema for StatusMatch {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "StatusMatch".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "description": "A response status such as 401, or a class such as \"5xx\".",
+            "x-kubernetes-int-or-string": true,
+        })
+    }
 }
 
 /// Conditions on a request. All given conditions must hold.
@@ -366,6 +418,16 @@ pub struct Limit {
     )]
     #[x_kube(validation = Rule::new("!self.matches('^([0-9]{1,9}(ms|s|m|h))+$') || duration(self) <= duration('1m')").message("spec.rules[].limit.maxDelay must be at most 1m"))]
     pub max_delay: Option<String>,
+    /// Once a key exceeds the limit, keep rejecting it for this long, whatever the bucket
+    /// holds (a mitigation timeout, for brute-force protection). At most 24h. Each sidecar
+    /// blocks the key when it rejects it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 2, max = 32),
+        regex(pattern = "^([0-9]{1,9}(ms|s|m|h))+$")
+    )]
+    #[x_kube(validation = Rule::new("!self.matches('^([0-9]{1,9}(ms|s|m|h))+$') || duration(self) <= duration('24h')").message("spec.rules[].limit.blockFor must be at most 24h"))]
+    pub block_for: Option<String>,
 }
 
 /// Rate-limiting algorithm.
@@ -383,7 +445,10 @@ pub enum Algorithm {
 /// Tokens spent by one request: a fixed `amount`, or read from a request `header`.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("!has(self.max) || !has(self.amount) || self.amount <= self.max").message("spec.rules[].cost.amount must not exceed cost.max"))]
+#[x_kube(
+    validation = Rule::new("!has(self.max) || !has(self.amount) || self.amount <= self.max").message("spec.rules[].cost.amount must not exceed cost.max"),
+    validation = Rule::new("!has(self.header) || !has(self.responseHeader)").message("spec.rules[].cost: header and responseHeader exclude each other").field_path(".responseHeader"),
+)]
 pub struct Cost {
     /// Fixed cost, and the cost used when `header` is absent or not a whole number. Default 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -401,6 +466,22 @@ pub struct Cost {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 1_000_000))]
     pub max: Option<u32>,
+    /// Response header whose integer value is the real cost, known only when the app answers
+    /// (e.g. the tokens an LLM call used). The request takes `reserve` up front; the difference
+    /// is settled when the response arrives, clamped to `max`, and may run the balance below
+    /// zero so that the next requests wait. A missing or non-numeric value keeps the
+    /// reservation. Excludes `header`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 256),
+        regex(pattern = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+    )]
+    pub response_header: Option<String>,
+    /// Tokens taken up front by a request whose cost is settled at the response
+    /// (`responseHeader` or `count.statuses`). Default 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 1_000_000))]
+    pub reserve: Option<u32>,
 }
 
 /// Where a rule's counters live.
@@ -451,6 +532,22 @@ pub enum ResponseHeaders {
     All,
     /// Only on rejected responses.
     Rejected,
+}
+
+/// Which rate-limit fields responses carry (see `docs/policy.md` for an example of each).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, Hash)]
+pub enum HeaderProfile {
+    /// `RateLimit-Policy` and `RateLimit`, draft-ietf-httpapi-ratelimit-headers-12.
+    #[default]
+    Draft12,
+    /// The draft fields plus `RateLimit-Limit`, `RateLimit-Remaining` and `RateLimit-Reset` for the
+    /// most restrictive rule, as clients written against draft -10 and earlier read them.
+    Draft10,
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` (seconds from now) for
+    /// the most restrictive rule.
+    XRateLimit,
+    /// No rate-limit fields.
+    None,
 }
 
 /// Requests exempt from every rule of the policy.

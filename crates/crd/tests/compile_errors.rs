@@ -1,7 +1,7 @@
 //! The compile function on valid and malformed policies: every error names its field.
 
 use tollgate_crd::compiled::*;
-use tollgate_crd::{compile, parse_yaml};
+use tollgate_crd::{compile, parse_yaml, parse_yaml_documents};
 
 const HEADER: &str = "apiVersion: tollgate.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: p, namespace: ns}\n";
 
@@ -13,13 +13,14 @@ fn rule(body: &str) -> String {
     spec(&format!("  rules:\n  - name: r\n{body}"))
 }
 
-/// Compiles `yaml` and returns every error as `path: message`.
+/// Decodes and compiles `yaml` as the sidecar's files are (unknown fields are errors) and
+/// returns every error as `path: message`.
 fn errors(yaml: &str) -> Vec<String> {
-    match parse_yaml(yaml) {
+    match parse_yaml_documents(yaml) {
         Err(e) => vec![e.to_string()],
-        Ok(policies) => {
-            assert_eq!(policies.len(), 1, "{yaml}");
-            match compile(&policies[0]) {
+        Ok(docs) => {
+            assert_eq!(docs.len(), 1, "{yaml}");
+            match docs[0].compile() {
                 Ok(c) => panic!("expected errors, compiled to {c:?}\n{yaml}"),
                 Err(e) => e.0.iter().map(ToString::to_string).collect(),
             }
@@ -100,7 +101,8 @@ fn compiles_the_design_example_with_defaults_resolved() {
             requests: 100,
             period_ms: 60_000,
             burst: 20,
-            max_delay_ms: 0
+            max_delay_ms: 0,
+            block_for_ms: 0,
         }
     );
     assert_eq!(r.cost.header.as_deref(), Some("x-cost"));
@@ -465,4 +467,109 @@ fn header_value_with_control_characters() {
         "spec.rules[0].match.headers[0].value",
         "control characters",
     );
+}
+
+#[test]
+fn unknown_fields_are_refused_with_their_path_and_a_suggestion() {
+    // Each typo decoded to a valid policy that was not the one written (no burst, Open, ...).
+    let yaml = spec(
+        r#"  failurMode: Closed
+  rules:
+  - name: r
+    limit: {requests: 5, period: 1s, burts: 5}
+    failureMode: Closed
+  - name: s
+    match: {path: {prefix: /a}, header: [{name: x}]}
+    key: [{clientIP: {trustedHop: 1}}, {endpoint: {any: 1}}]
+    limit: {requests: 5, period: 1s}
+    scope: Local
+    colour: blue
+  bypass: {cidrs: [10.0.0.0/8], trustedHops: 1, key: [k]}
+"#,
+    );
+    let errs = errors(&yaml);
+    let expected = [
+        "spec.failurMode: unknown field (did you mean `failureMode`?)",
+        "spec.rules[0].limit.burts: unknown field (did you mean `burst`?)",
+        "spec.rules[1].match.header: unknown field (did you mean `headers`?)",
+        "spec.rules[1].key[0].clientIP.trustedHop: unknown field (did you mean `trustedHops`?)",
+        "spec.rules[1].key[1].endpoint.any: unknown field",
+        "spec.bypass.key: unknown field (did you mean `keys`?)",
+    ];
+    for e in expected {
+        assert!(
+            errs.iter().any(|got| got == e),
+            "missing {e:?} in {errs:#?}"
+        );
+    }
+    // No close name: the known ones are listed.
+    assert!(
+        errs.iter().any(
+            |e| e.starts_with("spec.rules[1].colour: unknown field; expected one of")
+                && e.contains("`limit`")
+        ),
+        "{errs:#?}"
+    );
+    assert_eq!(errs.len(), expected.len() + 1, "{errs:#?}");
+
+    // Reported together with compile errors, so one run shows everything.
+    let both = errors(&rule("    limit: {requests: 0, period: 1s, burts: 5}\n"));
+    assert_eq!(
+        both,
+        [
+            "spec.rules[0].limit.burts: unknown field (did you mean `burst`?)",
+            "spec.rules[0].limit.requests: 0 must be between 1 and 1000000000",
+        ],
+        "{both:#?}"
+    );
+
+    // The strict parser refuses them too; typos in metadata and the selector are caught as well.
+    let err = parse_yaml(
+        "apiVersion: tollgate.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: p, namespce: ns}\nspec:\n  targetRef: {selector: {matchLabel: {app: a}}}\n  rules: [{name: r, limit: {requests: 1, period: 1s}}]\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("metadata.namespce: unknown field"), "{err}");
+    assert!(
+        err.contains(
+            "spec.targetRef.selector.matchLabel: unknown field (did you mean `matchLabels`?)"
+        ),
+        "{err}"
+    );
+
+    // Status stays lenient: a newer controller may have written fields this one lacks.
+    let with_status = format!(
+        "{}status: {{ruleCount: 1, futureField: x}}\n",
+        rule("    limit: {requests: 1, period: 1s}\n")
+    );
+    let docs = parse_yaml_documents(&with_status).unwrap();
+    assert!(
+        docs[0].unknown_fields.is_empty(),
+        "{:?}",
+        docs[0].unknown_fields
+    );
+    assert!(docs[0].compile().is_ok());
+}
+
+#[test]
+fn the_webhook_json_path_collects_unknown_fields_too() {
+    let value = serde_json::json!({
+        "apiVersion": "tollgate.dev/v1alpha1", "kind": "RateLimitPolicy",
+        "metadata": {"name": "p", "namespace": "ns"},
+        "spec": {"targetRef": {"selector": {}}, "rules": [
+            {"name": "r", "limit": {"requests": 1, "period": "1s", "burts": 5}}
+        ]}
+    });
+    let decoded = tollgate_crd::decode::from_json(value).unwrap();
+    let errs: Vec<String> = decoded
+        .unknown_fields
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        errs,
+        ["spec.rules[0].limit.burts: unknown field (did you mean `burst`?)"]
+    );
+    // Decoding stays lenient: the rest of the policy is there.
+    assert_eq!(decoded.policy.spec.rules[0].limit.requests, 1);
 }

@@ -32,3 +32,52 @@ fn crd_has_the_conventions_users_expect() {
         assert!(yaml.contains(needle), "CRD lacks {needle:?}");
     }
 }
+
+/// Every object node under `spec` keeps unknown fields (so the validating webhook sees a
+/// misspelled field instead of the API server pruning it silently); maps, `status` and the
+/// root do not.
+#[test]
+fn spec_objects_preserve_unknown_fields_for_the_webhook() {
+    let crd = serde_json::to_value(tollgate_crd::crd()).unwrap();
+    let root = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+    const FLAG: &str = "x-kubernetes-preserve-unknown-fields";
+    fn walk(node: &serde_json::Value, path: &str, objects: &mut usize) {
+        if node["type"] == "object" {
+            if node.get("additionalProperties").is_some() {
+                assert!(
+                    node.get(FLAG).is_none(),
+                    "map {path} preserves unknown fields"
+                );
+            } else {
+                assert_eq!(node[FLAG], true, "{path} prunes unknown fields");
+                *objects += 1;
+            }
+        }
+        if let Some(props) = node["properties"].as_object() {
+            for (k, v) in props {
+                walk(v, &format!("{path}.{k}"), objects);
+            }
+        }
+        for key in ["items", "additionalProperties"] {
+            if let Some(child) = node.get(key) {
+                walk(child, &format!("{path}[]"), objects);
+            }
+        }
+    }
+    let mut objects = 0;
+    walk(&root["properties"]["spec"], "spec", &mut objects);
+    assert!(objects >= 15, "only {objects} object nodes under spec");
+    assert!(
+        root.get(FLAG).is_none(),
+        "the root preserves unknown fields"
+    );
+    assert!(
+        !serde_json::to_string(&root["properties"]["status"])
+            .unwrap()
+            .contains(FLAG),
+        "status preserves unknown fields"
+    );
+    // `kubectl explain` still has the descriptions and the field list.
+    let limit = &root["properties"]["spec"]["properties"]["rules"]["items"]["properties"]["limit"];
+    assert!(limit["properties"]["burst"]["description"].is_string());
+}

@@ -91,6 +91,28 @@ impl KeyedLimiter {
         }
     }
 
+    /// Settles a charge whose size was known only after the decision (see
+    /// [`LimiterState::settle`](crate::LimiterState::settle)): `delta` more units taken
+    /// (possibly into debt), or given back when negative.
+    pub fn settle(&self, key: &[u8], now: Nanos, delta: i64) {
+        use crate::LimiterState as _;
+        if delta == 0 {
+            return;
+        }
+        match &self.inner {
+            Inner::TokenBucket(s) => {
+                s.with_state(s.hash(key), now, |st, p, _| st.settle(p, now, delta))
+            }
+            Inner::SlidingWindow(s) => {
+                s.with_state(s.hash(key), now, |st, p, _| st.settle(p, now, delta))
+            }
+            Inner::FixedWindow(s) => {
+                s.with_state(s.hash(key), now, |st, p, _| st.settle(p, now, delta))
+            }
+            Inner::SlidingLog(_) | Inner::LeakyBucket(_) | Inner::Concurrency(_) => {}
+        }
+    }
+
     /// Concurrency: takes `cost` in-flight units for `key`, held until the returned
     /// [`Permit`] is dropped (tie it to response completion or client disconnect). On
     /// rejection returns the decision for the 429.

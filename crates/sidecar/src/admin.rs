@@ -11,11 +11,24 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 
+use crate::controller::StreamHealth;
 use crate::proxy::{Shared, is_ready};
+
+/// The rule stream being reported on, in controller mode.
+#[derive(Clone)]
+pub struct StreamView {
+    pub controller: String,
+    pub health: Arc<StreamHealth>,
+}
 
 /// Serves the admin endpoints until the task is dropped. `/debug/*` answers only loopback
 /// clients unless `debug_remote` is set.
-pub async fn serve(listener: TcpListener, shared: Arc<Shared>, debug_remote: bool) {
+pub async fn serve(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    debug_remote: bool,
+    rule_stream: Option<StreamView>,
+) {
     let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
@@ -23,9 +36,11 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>, debug_remote: boo
             continue;
         };
         let shared = Arc::clone(&shared);
+        let rule_stream = rule_stream.clone();
         let debug_allowed = debug_remote || is_loopback(peer.ip());
         let service = hyper::service::service_fn(move |req| {
             let shared = Arc::clone(&shared);
+            let rule_stream = rule_stream.clone();
             async move {
                 let resp = if req.uri().path().starts_with("/debug/") && !debug_allowed {
                     text(
@@ -36,7 +51,7 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>, debug_remote: boo
                 } else if req.uri().path() == "/debug/log-level" {
                     log_level(req).await
                 } else {
-                    route(&shared, &req)
+                    route(&shared, rule_stream.as_ref(), &req)
                 };
                 Ok::<_, Infallible>(resp)
             }
@@ -50,16 +65,32 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>, debug_remote: boo
     }
 }
 
-fn route(shared: &Shared, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+fn route(
+    shared: &Shared,
+    stream: Option<&StreamView>,
+    req: &Request<Incoming>,
+) -> Response<Full<Bytes>> {
     match req.uri().path() {
         "/healthz" | "/livez" => text(StatusCode::OK, "ok\n"),
         "/readyz" => {
             if is_ready(shared) {
                 text(StatusCode::OK, "ready\n")
             } else {
-                text(StatusCode::SERVICE_UNAVAILABLE, "no rules loaded yet\n")
+                // Why the stream has not delivered rules, for whoever reads the body (the API
+                // server's pod proxy; the kubelet's event only shows the status code).
+                match stream.and_then(|s| s.health.last_error()) {
+                    Some(e) => text(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!("no rules loaded yet: rule stream: {e}\n"),
+                    ),
+                    None => text(StatusCode::SERVICE_UNAVAILABLE, "no rules loaded yet\n"),
+                }
             }
         }
+        "/debug/stream" => match stream {
+            Some(s) => json(&s.health.to_json(&s.controller)),
+            None => json(&serde_json::json!({ "controller": null, "standalone": true })),
+        },
         "/metrics" => {
             let rules = shared.rules.load();
             shared.metrics.active_keys.set(rules.active_keys() as i64);
@@ -82,7 +113,16 @@ fn route(shared: &Shared, req: &Request<Incoming>) -> Response<Full<Bytes>> {
         "/debug/rules" => {
             let rules = shared.rules.load();
             let policies: Vec<_> = rules.policies.iter().map(|p| &p.compiled).collect();
-            let described: Vec<String> = rules.rules.iter().map(|r| r.rule.describe()).collect();
+            let backend = if shared.global.get().is_some() {
+                tollgate_crd::compiled::GlobalBackend::Redis
+            } else {
+                tollgate_crd::compiled::GlobalBackend::None
+            };
+            let described: Vec<String> = rules
+                .rules
+                .iter()
+                .map(|r| r.rule.describe_where(backend))
+                .collect();
             json(&serde_json::json!({
                 "version": rules.version,
                 "wireVersion": tollgate_crd::WIRE_VERSION,
@@ -163,8 +203,8 @@ fn is_loopback(ip: std::net::IpAddr) -> bool {
     ip.to_canonical().is_loopback()
 }
 
-fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
-    let mut resp = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
+fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+    let mut resp = Response::new(Full::new(body.into()));
     *resp.status_mut() = status;
     resp.headers_mut().insert(
         http::header::CONTENT_TYPE,

@@ -150,10 +150,18 @@ pub async fn run(
         "tollgate-sidecar started"
     );
 
+    let stream_view = match &source {
+        Source::Controller(c) => Some(crate::admin::StreamView {
+            controller: c.url.clone(),
+            health: Arc::default(),
+        }),
+        Source::Files(_) => None,
+    };
     let admin_task = tokio::spawn(crate::admin::serve(
         admin,
         Arc::clone(&shared),
         args.admin_debug_remote,
+        stream_view.clone(),
     ));
     let rules_task = match source {
         Source::Files(path) => tokio::spawn(reload_loop(
@@ -169,7 +177,13 @@ pub async fn run(
                 store,
                 global: global.clone(),
             });
-            tokio::spawn(crate::controller::run(config, Arc::clone(&shared), apply))
+            let health = stream_view.map(|v| v.health).unwrap_or_default();
+            tokio::spawn(crate::controller::run(
+                config,
+                Arc::clone(&shared),
+                apply,
+                health,
+            ))
         }
     };
     let sync_task = global.as_ref().map(|rt| {

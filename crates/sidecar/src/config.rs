@@ -67,7 +67,8 @@ pub fn fingerprint(path: &Path) -> Vec<(PathBuf, u64, Option<SystemTime>)> {
 }
 
 /// Reads and compiles every policy under `path`. All errors are returned, each prefixed with
-/// its file; nothing is applied unless everything compiles.
+/// its file; nothing is applied unless everything compiles. Fields the API does not define are
+/// errors, as in the admission webhook.
 pub fn load(path: &Path) -> Result<Vec<CompiledPolicy>, Vec<ConfigError>> {
     let files = policy_files(path).map_err(|e| vec![e])?;
     if files.is_empty() {
@@ -86,11 +87,13 @@ pub fn load(path: &Path) -> Result<Vec<CompiledPolicy>, Vec<ConfigError>> {
                 continue;
             }
         };
-        match tollgate_crd::parse_yaml(&text) {
+        // Unknown fields (`burts:` for `burst:`) are errors, reported with the compile errors.
+        match tollgate_crd::parse_yaml_documents(&text) {
             Err(e) => errors.push(ConfigError(format!("{}: {e}", file.display()))),
-            Ok(policies) => {
-                for policy in &policies {
-                    match tollgate_crd::compile(policy) {
+            Ok(docs) => {
+                for doc in &docs {
+                    let policy = &doc.policy;
+                    match doc.compile() {
                         Ok(c) => {
                             if out.iter().any(|p| p.id() == c.id()) {
                                 errors.push(ConfigError(format!(

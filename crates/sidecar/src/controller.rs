@@ -42,8 +42,124 @@ pub trait Apply: Send + Sync {
     fn members(&self, members: BTreeMap<String, u32>);
 }
 
+/// The rule stream's health, for the admin port: a sidecar without rules keeps its pod unready,
+/// and its readiness body and `/debug/stream` must say why. Updated once per connect attempt.
+#[derive(Default)]
+pub struct StreamHealth {
+    state: std::sync::Mutex<StreamState>,
+}
+
+#[derive(Default)]
+struct StreamState {
+    connected: bool,
+    failed_attempts: u64,
+    last_error: Option<(String, std::time::Instant)>,
+}
+
+impl StreamHealth {
+    fn connected(&self) {
+        if let Ok(mut s) = self.state.lock() {
+            s.connected = true;
+            s.failed_attempts = 0;
+        }
+    }
+
+    fn failed(&self, error: &str) {
+        if let Ok(mut s) = self.state.lock() {
+            s.connected = false;
+            s.failed_attempts += 1;
+            s.last_error = Some((error.to_string(), std::time::Instant::now()));
+        }
+    }
+
+    /// The last error with a hint at its usual cause, if the stream ever failed.
+    pub fn last_error(&self) -> Option<String> {
+        let s = self.state.lock().ok()?;
+        s.last_error.as_ref().map(|(e, _)| match hint(e) {
+            Some(h) => format!("{e} ({h})"),
+            None => e.clone(),
+        })
+    }
+
+    /// `/debug/stream`.
+    pub fn to_json(&self, controller: &str) -> serde_json::Value {
+        let Ok(s) = self.state.lock() else {
+            return serde_json::Value::Null;
+        };
+        let (error, ago) = match &s.last_error {
+            Some((e, at)) => (Some(e.as_str()), Some(at.elapsed().as_secs())),
+            None => (None, None),
+        };
+        serde_json::json!({
+            "controller": controller,
+            "connected": s.connected,
+            "failedAttemptsSinceConnected": s.failed_attempts,
+            "lastError": error,
+            "lastErrorSecondsAgo": ago,
+            "hint": error.and_then(hint),
+        })
+    }
+}
+
+/// The whole cause chain: reqwest's own message (`error sending request for url …`) reads the
+/// same for a DNS failure, a refused connection and an unknown CA; the cause is in the sources.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = cause.source();
+    }
+    out
+}
+
+/// What usually causes an error like this one, in the words a user can act on.
+fn hint(chain: &str) -> Option<&'static str> {
+    let lower = chain.to_ascii_lowercase();
+    let hints: [(&[&str], &'static str); 5] = [
+        (
+            &[
+                "dns error",
+                "failed to lookup address",
+                "name or service not known",
+            ],
+            "the controller's host name does not resolve: check --controller and cluster DNS",
+        ),
+        (
+            &["connection refused"],
+            "nothing listens there: is the controller running, and does its Service have endpoints?",
+        ),
+        (
+            &["unknownissuer", "invalid peer certificate", "certificate"],
+            "the controller's certificate does not chain to --controller-ca: was tollgate \
+             reinstalled with a new CA? restart the pod to pick up the current bundle",
+        ),
+        (
+            &["timed out", "deadline"],
+            "no answer: a NetworkPolicy or firewall may drop traffic to the controller",
+        ),
+        (
+            &["401", "403", "unauthorized", "forbidden"],
+            "the controller refused this pod's ServiceAccount token",
+        ),
+    ];
+    hints
+        .iter()
+        .find(|(needles, _)| needles.iter().any(|n| lower.contains(n)))
+        .map(|(_, h)| *h)
+}
+
 /// Runs the stream client forever.
-pub async fn run(config: ControllerConfig, shared: Arc<Shared>, apply: Arc<dyn Apply>) {
+pub async fn run(
+    config: ControllerConfig,
+    shared: Arc<Shared>,
+    apply: Arc<dyn Apply>,
+    health: Arc<StreamHealth>,
+) {
     // HTTP/2 (prior knowledge on plain http, ALPN on https): acks then travel on the stream's
     // own connection, so behind a Service they reach the replica that serves the stream.
     let mut builder = reqwest::Client::builder()
@@ -69,11 +185,29 @@ pub async fn run(config: ControllerConfig, shared: Arc<Shared>, apply: Arc<dyn A
     let mut held: Option<(String, u64)> = None; // (epoch, version)
     let mut backoff = Backoff::new();
     loop {
-        match stream_once(&client, &config, &shared, apply.as_ref(), &mut held).await {
-            Ok(()) => backoff.reset(),
-            Err(e) => {
-                tracing::warn!(error = %e, controller = %config.url, "rule stream interrupted; enforcing the last-known-good rules");
-            }
+        let outcome = stream_once(
+            &client,
+            &config,
+            &shared,
+            apply.as_ref(),
+            &mut held,
+            &health,
+        )
+        .await;
+        let e = match outcome {
+            Ok(()) => "stream ended".to_string(),
+            Err(e) => e,
+        };
+        if shared.metrics.controller_connected.get() == 1 {
+            // It had connected: a stream that broke after working starts over from the
+            // shortest backoff.
+            backoff.reset();
+        }
+        health.failed(&e);
+        if shared.ready.load(std::sync::atomic::Ordering::Acquire) {
+            tracing::warn!(error = %e, controller = %config.url, "rule stream interrupted; enforcing the last-known-good rules");
+        } else {
+            tracing::warn!(error = %e, hint = hint(&e), controller = %config.url, "rule stream unavailable; not ready until the first rules arrive");
         }
         shared.metrics.controller_connected.set(0);
         tokio::time::sleep(backoff.next()).await;
@@ -86,6 +220,7 @@ async fn stream_once(
     shared: &Shared,
     apply: &dyn Apply,
     held: &mut Option<(String, u64)>,
+    health: &StreamHealth,
 ) -> Result<(), String> {
     let token = std::fs::read_to_string(&config.token_file)
         .map_err(|e| format!("cannot read token {}: {e}", config.token_file.display()))?;
@@ -105,13 +240,14 @@ async fn stream_once(
         .bearer_auth(token.trim())
         .send()
         .await
-        .map_err(|e| format!("connect: {e}"))?;
+        .map_err(|e| format!("connect {}: {}", config.url, error_chain(&e)))?;
     if !resp.status().is_success() {
         let status = resp.status();
         let body = resp.text().await.unwrap_or_default();
         return Err(format!("controller answered {status}: {}", body.trim()));
     }
     shared.metrics.controller_connected.set(1);
+    health.connected();
     tracing::info!(controller = %config.url, "rule stream connected");
     let mut body = resp.bytes_stream();
     let mut buf: Vec<u8> = Vec::new();
@@ -119,7 +255,7 @@ async fn stream_once(
         let chunk = match tokio::time::timeout(config.idle_timeout, body.next()).await {
             Err(_) => return Err(format!("no message for {:?}", config.idle_timeout)),
             Ok(None) => return Err("stream closed by the controller".to_string()),
-            Ok(Some(Err(e))) => return Err(format!("read: {e}")),
+            Ok(Some(Err(e))) => return Err(format!("read: {}", error_chain(&e))),
             Ok(Some(Ok(chunk))) => chunk,
         };
         buf.extend_from_slice(&chunk);

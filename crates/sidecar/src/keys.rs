@@ -47,6 +47,23 @@ pub fn client_ip<'a>(parts: &'a Parts, peer: &SocketAddr, trusted_hops: u32) -> 
     ClientAddr::Peer(peer.ip())
 }
 
+/// Seeds a rejected client's `Retry-After` jitter: the client's address (as `trusted_hops`
+/// sees it) mixed with the counter key's hash. Seeding by the key alone sent every client of a
+/// shared bucket (no key, or a key per endpoint) back in the same second; with the address, many
+/// clients of one bucket spread over the jitter range, while each client's value stays stable.
+pub fn client_seed(parts: &Parts, peer: &SocketAddr, trusted_hops: u32, key_hash: u64) -> u64 {
+    use std::hash::{Hash, Hasher};
+    // Fixed keys for the address part; the counter key's hash is per process today (stable
+    // per sidecar), so one client's jitter is stable against one sidecar.
+    let mut h = siphasher::sip::SipHasher13::new_with_keys(0x746f_6c6c, 0x6761_7465);
+    match client_ip(parts, peer, trusted_hops) {
+        ClientAddr::Peer(ip) | ClientAddr::Forwarded(ip) => ip.hash(&mut h),
+        ClientAddr::Unparsed(text) => text.hash(&mut h),
+    }
+    key_hash.hash(&mut h);
+    h.finish()
+}
+
 /// A client address as found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClientAddr<'a> {

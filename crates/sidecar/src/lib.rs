@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod app;
 pub mod audit;
+pub mod block;
 pub mod cli;
 pub mod config;
 pub mod controller;

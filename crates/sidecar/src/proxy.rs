@@ -16,18 +16,20 @@ use std::time::Duration;
 use arc_swap::{ArcSwap, ArcSwapOption};
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::request::Parts;
 use http::{Request, Response, StatusCode, Uri};
 use http_body_util::Full;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
-use tollgate_crd::compiled::{Mode, ResponseHeaders};
+use tollgate_crd::compiled::KeySource;
 use tollgate_limiter::{Clock, MonotonicClock, Permit};
 
 use crate::audit::AuditLog;
+use crate::keys;
 use crate::metrics::Metrics;
 use crate::response;
-use crate::rules::{KeyHasher, RuleSet};
+use crate::rules::{KeyHasher, RuleSet, Verdict};
 use crate::telemetry;
 use crate::upstream::{Lease, Upstream};
 use tracing::Instrument;
@@ -230,6 +232,28 @@ pub async fn handle(
     resp
 }
 
+/// The jitter seed of a request that gets a 429 or 503 (0 otherwise: nothing to spread). The
+/// client's address is read the way the deciding rule reads it: its `clientIP` key's
+/// `trustedHops`, else the policy's bypass `trustedHops`, else the TCP peer.
+fn rejection_seed(rules: &RuleSet, verdict: &Verdict, parts: &Parts, peer: &SocketAddr) -> u64 {
+    let (rule, key_hash) = match (&verdict.rejected, verdict.unavailable) {
+        (Some(r), _) => (r.limited.rule, r.limited.key_hash),
+        (None, Some(ri)) => (ri, 0),
+        (None, None) => return 0,
+    };
+    let active = &rules.rules[rule];
+    let hops = active
+        .rule
+        .key
+        .iter()
+        .find_map(|k| match k {
+            KeySource::ClientIp { trusted_hops } => Some(*trusted_hops),
+            _ => None,
+        })
+        .unwrap_or(rules.policies[active.policy].compiled.bypass.trusted_hops);
+    keys::client_seed(parts, peer, hops, key_hash)
+}
+
 async fn handle_inner(
     shared: Arc<Shared>,
     peer: SocketAddr,
@@ -248,6 +272,7 @@ async fn handle_inner(
         // Cold or dry global keys: one bounded round trip, then the same accounting.
         rules.resolve_pending(&mut verdict, started).await;
     }
+    let seed = rejection_seed(&rules, &verdict, &parts, &peer);
     let mut req = Request::from_parts(parts, body);
     let decided = shared.clock.now();
     shared
@@ -256,7 +281,7 @@ async fn handle_inner(
         .observe(decided.saturating_sub(started) as f64 / 1e9);
 
     if let Some(span) = span {
-        let (decision, rule) = match (&verdict.unavailable, &verdict.rejected, &verdict.tightest) {
+        let (decision, rule) = match (&verdict.unavailable, &verdict.rejected, verdict.tightest()) {
             (Some(ri), _, _) => ("unavailable", Some(*ri)),
             (_, Some(r), _) => ("rejected", Some(r.limited.rule)),
             (_, _, Some(t)) => ("allowed", Some(t.rule)),
@@ -268,28 +293,12 @@ async fn handle_inner(
         }
     }
     if let Some(ri) = verdict.unavailable {
-        let rule = &rules.rules[ri];
-        let mut resp = response::problem(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "Rate limiter unavailable",
-            &format!(
-                "Rule {:?} fails closed and its shared counter store is unreachable; retry shortly.",
-                rule.rule.name
-            ),
-        );
-        resp.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        return local(resp);
+        return local(response::unavailable(&rules, &verdict, ri, seed));
     }
     if let Some(rejection) = &verdict.rejected {
-        let limited = &rejection.limited;
-        let rule = &rules.rules[limited.rule];
+        let rule = &rules.rules[rejection.limited.rule];
         shared.audit.rejected(rule, rejection, &shared.metrics);
-        return local(response::too_many_requests(
-            rule,
-            &limited.decision,
-            limited.key_hash,
-        ));
+        return local(response::too_many_requests(&rules, &verdict, seed));
     }
     if verdict.delay > 0 {
         tokio::time::sleep(Duration::from_nanos(verdict.delay)).await;
@@ -310,6 +319,9 @@ async fn handle_inner(
         .metrics
         .upstream_seconds
         .observe(shared.clock.now().saturating_sub(t0) as f64 / 1e9);
+    if !verdict.settlements.is_empty() {
+        settle_at_response(&rules, &verdict, &result, shared.clock.now());
+    }
     let (mut resp, lease) = match result {
         Ok(Ok(x)) => x,
         Ok(Err(e)) => {
@@ -353,14 +365,7 @@ async fn handle_inner(
     }
 
     let headers = resp.headers_mut();
-    if let Some(t) = &verdict.tightest {
-        let rule = &rules.rules[t.rule];
-        if rules.policies[rule.policy].compiled.response_headers == ResponseHeaders::All
-            && rule.rule.mode == Mode::Enforce
-        {
-            response::add_ratelimit_headers(headers, rule, &t.decision);
-        }
-    }
+    response::add_admitted_fields(headers, &rules, &verdict);
     if verdict.shadow_rejections > 0 && shared.config.shadow_header {
         headers.insert(
             response::SHADOW_HEADER.clone(),
@@ -372,6 +377,23 @@ async fn handle_inner(
         permits: verdict.permits,
         lease,
     })
+}
+
+/// Settles the costs known only now: the status the client gets (502 and 504 when the app
+/// failed) and the app's response headers.
+fn settle_at_response<B, L, E, T>(
+    rules: &RuleSet,
+    verdict: &Verdict,
+    result: &Result<Result<(Response<B>, L), E>, T>,
+    now: tollgate_limiter::Nanos,
+) {
+    let empty = HeaderMap::new();
+    let (status, headers) = match result {
+        Ok(Ok((resp, _))) => (resp.status().as_u16(), resp.headers()),
+        Ok(Err(_)) => (502, &empty),
+        Err(_) => (504, &empty),
+    };
+    rules.settle(&verdict.settlements, status, headers, now);
 }
 
 fn is_upgrade(headers: &HeaderMap) -> bool {

@@ -18,7 +18,10 @@
 //! `ts` is RFC 3339 or a number of Unix milliseconds; `path` may carry the query string;
 //! `headers` values are strings or arrays of strings; `client_ip` is the TCP peer the sidecar
 //! would see (an address, optionally with a port). An optional `duration_ms` holds concurrency
-//! permits for that long (without it a request ends at once). Other fields are ignored. Lines
+//! permits for that long (without it a request ends at once). Optional `status` (the response
+//! status) and `response_headers` (same form as `headers`) settle rules whose cost is known only
+//! at the response (`cost.responseHeader`, `count.statuses`); without them such a rule keeps
+//! each request's reservation. Other fields are ignored. Lines
 //! that cannot be replayed are counted and listed with their line numbers; the sidecar's
 //! rejection audit lines (`target: tollgate::audit`) are recognised and skipped, since they name
 //! no method or path.
@@ -229,6 +232,10 @@ struct LogRequest {
     peer: SocketAddr,
     /// How long concurrency permits are held.
     duration: Nanos,
+    /// The response, when the log has it: settles costs known at the response
+    /// (`cost.responseHeader`, `count.statuses`).
+    status: Option<u16>,
+    response_headers: http::HeaderMap,
 }
 
 /// What the log contained besides requests.
@@ -410,6 +417,12 @@ impl Run {
         } else {
             Outcome::Admitted
         };
+        if let (Outcome::Admitted, Some(status)) = (&outcome, req.status)
+            && !verdict.settlements.is_empty()
+        {
+            self.rules
+                .settle(&verdict.settlements, status, &req.response_headers, req.at);
+        }
         if !verdict.permits.is_empty() && req.duration > 0 {
             self.held
                 .insert((req.at.saturating_add(req.duration), seq), verdict.permits);
@@ -650,39 +663,67 @@ fn parse_line(text: &str) -> Result<Parsed, String> {
         .map_err(|e| format!("cannot build the request: {e}"))?
         .into_parts()
         .0;
-    match obj.get("headers") {
+    parse_headers(obj.get("headers"), "headers", &mut parts.headers)?;
+    let mut response_headers = http::HeaderMap::new();
+    parse_headers(
+        obj.get("response_headers"),
+        "response_headers",
+        &mut response_headers,
+    )?;
+    let status = match obj.get("status") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v) => Some(
+            v.as_u64()
+                .filter(|s| (100..=599).contains(s))
+                .map(|s| s as u16)
+                .ok_or_else(|| format!("status: {v} is not an HTTP status"))?,
+        ),
+    };
+    Ok(Parsed::Request(Box::new(LogRequest {
+        at,
+        parts,
+        peer,
+        duration,
+        status,
+        response_headers,
+    })))
+}
+
+/// A JSON object of header name → string or array of strings, appended to `into`; `field`
+/// names it in errors.
+fn parse_headers(
+    value: Option<&serde_json::Value>,
+    field: &str,
+    into: &mut http::HeaderMap,
+) -> Result<(), String> {
+    match value {
         None | Some(serde_json::Value::Null) => {}
         Some(serde_json::Value::Object(headers)) => {
             for (name, value) in headers {
                 let header = HeaderName::from_bytes(name.as_bytes())
-                    .map_err(|_| format!("headers: {name:?} is not a header name"))?;
+                    .map_err(|_| format!("{field}: {name:?} is not a header name"))?;
                 let values: Vec<&str> = match value {
                     serde_json::Value::String(s) => vec![s.as_str()],
                     serde_json::Value::Array(items) => items
                         .iter()
                         .map(|i| {
                             i.as_str()
-                                .ok_or_else(|| format!("headers: {name}: values must be strings"))
+                                .ok_or_else(|| format!("{field}: {name}: values must be strings"))
                         })
                         .collect::<Result<_, _>>()?,
-                    _ => return Err(format!("headers: {name}: a string or an array of strings")),
+                    _ => return Err(format!("{field}: {name}: a string or an array of strings")),
                 };
                 for v in values {
                     let v = HeaderValue::from_str(v).map_err(|_| {
-                        format!("headers: {name}: {v:?} is not a valid header value")
+                        format!("{field}: {name}: {v:?} is not a valid header value")
                     })?;
-                    parts.headers.append(header.clone(), v);
+                    into.append(header.clone(), v);
                 }
             }
         }
-        Some(_) => return Err("headers: not an object of name → value".into()),
+        Some(_) => return Err(format!("{field}: not an object of name → value")),
     }
-    Ok(Parsed::Request(Box::new(LogRequest {
-        at,
-        parts,
-        peer,
-        duration,
-    })))
+    Ok(())
 }
 
 /// `10.0.0.7`, `10.0.0.7:5123`, `2001:db8::1` or `[2001:db8::1]:443`; the port is irrelevant.

@@ -10,11 +10,14 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use http::request::Parts;
 use http::{HeaderName, HeaderValue};
 use tollgate_crd::compiled::*;
 use tollgate_limiter::{self as limiter, KeyedLimiter, Nanos, Permit, Quota, StoreConfig};
 
+use crate::block::BlockList;
 use crate::global::{GlobalRule, GlobalRuntime, LocalOutcome};
 use crate::keys::{self, PartValue};
 use crate::metrics::{Metrics, RuleMetrics};
@@ -30,7 +33,9 @@ pub struct ActiveRule {
     pub global: Option<Arc<GlobalRule>>,
     pub metrics: RuleMetrics,
     /// Precomputed `RateLimit-Policy` item: `"name";q=100;w=60`.
-    pub policy_item: HeaderValue,
+    pub policy_item: bytes::Bytes,
+    /// `limit.blockFor`: keys that exceeded the rule, kept across reloads of the same rule.
+    pub blocks: Option<Arc<BlockList>>,
 }
 
 /// Per-policy settings evaluated once per request.
@@ -108,12 +113,14 @@ impl RuleSet {
                     }
                     (Scope::Local, _) => None,
                 };
-                let window_secs = rule.limit.period_ms.div_ceil(1000).max(1);
-                let policy_item = HeaderValue::from_str(&format!(
-                    "\"{}\";q={};w={}",
-                    rule.name, rule.limit.requests, window_secs
-                ))
-                .map_err(|e| format!("{}: {e}", rule.id))?;
+                let policy_item = crate::response::policy_item(rule);
+                let blocks = (rule.limit.block_for_ms > 0).then(|| {
+                    previous
+                        .and_then(|p| p.rules.iter().find(|r| r.rule.id == rule.id))
+                        .filter(|r| r.rule.limit.block_for_ms == rule.limit.block_for_ms)
+                        .and_then(|r| r.blocks.clone())
+                        .unwrap_or_else(|| Arc::new(BlockList::new(rule.limit.block_for_ms)))
+                });
                 rules.push(ActiveRule {
                     matcher: Matcher::new(&rule.matches)
                         .map_err(|e| format!("{}: match: {e}", rule.id))?,
@@ -123,6 +130,7 @@ impl RuleSet {
                     limiter,
                     global: global_rule,
                     policy_item,
+                    blocks,
                 });
             }
             runtimes.push(PolicyRuntime {
@@ -291,8 +299,10 @@ impl Matcher {
 pub struct Verdict {
     /// The enforcing rule that rejected the request and its decision.
     pub rejected: Option<Rejection>,
-    /// For admitted requests: the rule closest to its limit, for the RateLimit headers.
-    pub tightest: Option<Limited>,
+    /// The decisions of the enforcing rules that admitted the request (for a rejected one:
+    /// those evaluated before the rejecting rule), in rule order, for the RateLimit fields.
+    /// Inline for up to four rules: no allocation on the common path.
+    pub admitted: SmallVec<[Limited; 4]>,
     /// Shadow rules that would have rejected the request.
     pub shadow_rejections: u32,
     /// Concurrency permits to hold until the response completes.
@@ -303,14 +313,50 @@ pub struct Verdict {
     pub pending: Vec<Pending>,
     /// A fail-closed global rule while Redis is unreachable: answer 503.
     pub unavailable: Option<usize>,
+    /// Rules whose cost is settled when the response arrives, with what they reserved.
+    pub settlements: SmallVec<[Settlement; 1]>,
+}
+
+/// A reservation to settle at the response (`cost.responseHeader`, `count.statuses`).
+pub struct Settlement {
+    pub rule: usize,
+    pub key: Vec<u8>,
+    /// Taken when the request was admitted.
+    pub reserved: u64,
+    /// The cost if the response counts and carries no cost of its own (the request's cost).
+    pub counted: u64,
+}
+
+impl Verdict {
+    /// The admitting rule closest to its limit (smallest remaining/limit), which the
+    /// single-rule header profiles report.
+    pub fn tightest(&self) -> Option<&Limited> {
+        self.admitted.iter().reduce(|t, d| {
+            // Compare remaining/limit without division.
+            let tighter = u128::from(d.decision.remaining) * u128::from(t.decision.limit.max(1))
+                < u128::from(t.decision.remaining) * u128::from(d.decision.limit.max(1));
+            if tighter { d } else { t }
+        })
+    }
 }
 
 /// A global rule whose decision needs a round trip.
 pub struct Pending {
     pub rule: usize,
     pub key: Vec<u8>,
+    /// What the round trip takes: the cost, or the reservation of a cost settled later.
     pub cost: u64,
+    /// The request's own cost (see [`Settlement::counted`]).
+    pub counted: u64,
     pub key_hash: u64,
+}
+
+/// What a decision charged, for settling it at the response and for blocking.
+#[derive(Clone, Copy)]
+pub struct Charge {
+    pub reserved: u64,
+    pub counted: u64,
+    pub now: Nanos,
 }
 
 /// A rule's decision for one request.
@@ -417,36 +463,51 @@ impl RuleSet {
             }
             let cost = request_cost(&active.rule.cost, parts);
             let key_hash = hasher.hash(key_buf);
-            let decision = if let Some(g) = &active.global {
+            // A cost settled at the response takes only the reservation now.
+            let charge = if active.rule.settles_at_response() {
+                u64::from(active.rule.cost.reserve)
+            } else {
+                cost
+            };
+            let blocked = active
+                .blocks
+                .as_ref()
+                .and_then(|b| b.remaining(key_hash, now));
+            let decision = if let Some(wait) = blocked {
+                blocked_decision(&active.rule.limit, wait)
+            } else if let Some(g) = &active.global {
                 let (field, _) = g.field_for(key_buf);
-                match g.try_local(&field, key_buf, now, cost) {
+                match g.try_local(&field, key_buf, now, charge) {
                     LocalOutcome::Decided(d) => d,
                     LocalOutcome::NeedRemote => {
                         verdict.pending.push(Pending {
                             rule: ri,
                             key: key_buf.clone(),
-                            cost,
+                            cost: charge,
+                            counted: cost,
                             key_hash,
                         });
                         continue;
                     }
                     LocalOutcome::Unavailable => {
-                        if self.unavailable(&mut verdict, ri) {
+                        if self.unavailable(&mut verdict, ri, now) {
                             return verdict;
                         }
                         continue;
                     }
                 }
             } else if active.rule.limit.algorithm == Algorithm::Concurrency {
-                match active.limiter.acquire_permit(key_buf, now, cost) {
+                match active.limiter.acquire_permit(key_buf, now, charge) {
                     Ok(permit) => {
+                        // Remaining = the cap less what is in flight, this request included.
+                        let d = *permit.decision();
                         verdict.permits.push(permit);
-                        concurrency_allowed(&active.rule.limit)
+                        d
                     }
                     Err(d) => d,
                 }
             } else {
-                active.limiter.check(key_buf, now, cost)
+                active.limiter.check(key_buf, now, charge)
             };
             observe(
                 ri,
@@ -456,7 +517,12 @@ impl RuleSet {
                     decision: &decision,
                 },
             );
-            if self.account(&mut verdict, ri, decision, key_hash, key_buf) {
+            let charged = Charge {
+                reserved: charge,
+                counted: cost,
+                now,
+            };
+            if self.account(&mut verdict, ri, decision, key_hash, key_buf, charged) {
                 return verdict;
             }
         }
@@ -468,21 +534,25 @@ impl RuleSet {
         &self,
         verdict: &mut Verdict,
         ri: usize,
-        decision: limiter::Decision,
+        mut decision: limiter::Decision,
         key_hash: u64,
         key: &[u8],
+        charge: Charge,
     ) -> bool {
         let active = &self.rules[ri];
         if decision.allowed {
             active.metrics.allowed.inc();
             verdict.delay = verdict.delay.max(decision.delay);
-            let tighter = verdict.tightest.as_ref().is_none_or(|t| {
-                // Compare remaining/limit without division.
-                u128::from(decision.remaining) * u128::from(t.decision.limit.max(1))
-                    < u128::from(t.decision.remaining) * u128::from(decision.limit.max(1))
-            });
-            if tighter {
-                verdict.tightest = Some(Limited {
+            if active.rule.settles_at_response() {
+                verdict.settlements.push(Settlement {
+                    rule: ri,
+                    key: key.to_vec(),
+                    reserved: charge.reserved,
+                    counted: charge.counted,
+                });
+            }
+            if active.rule.mode == Mode::Enforce {
+                verdict.admitted.push(Limited {
                     rule: ri,
                     decision,
                     key_hash,
@@ -495,6 +565,14 @@ impl RuleSet {
             false
         } else {
             active.metrics.rejected.inc();
+            if let Some(blocks) = &active.blocks {
+                // Requests during a block do not extend it: it ends `blockFor` after the first.
+                let block = blocks
+                    .remaining(key_hash, charge.now)
+                    .unwrap_or_else(|| blocks.block(key_hash, charge.now));
+                decision.retry_after = decision.retry_after.max(block);
+                decision.reset = decision.reset.max(block);
+            }
             verdict.rejected = Some(Rejection {
                 limited: Limited {
                     rule: ri,
@@ -504,12 +582,13 @@ impl RuleSet {
                 key: key.to_vec(),
             });
             verdict.permits.clear();
+            self.release_reservations(verdict, charge.now);
             true
         }
     }
 
     /// A fail-closed rule with Redis unreachable; returns true when the request must stop.
-    pub fn unavailable(&self, verdict: &mut Verdict, ri: usize) -> bool {
+    pub fn unavailable(&self, verdict: &mut Verdict, ri: usize, now: Nanos) -> bool {
         let active = &self.rules[ri];
         if active.rule.mode == Mode::Shadow {
             active.metrics.shadow_rejected.inc();
@@ -519,7 +598,20 @@ impl RuleSet {
         active.metrics.unavailable.inc();
         verdict.unavailable = Some(ri);
         verdict.permits.clear();
+        self.release_reservations(verdict, now);
         true
+    }
+
+    /// A request stopped by a later rule never reaches the app: what earlier rules reserved
+    /// for a cost settled at the response is given back.
+    fn release_reservations(&self, verdict: &mut Verdict, now: Nanos) {
+        for s in std::mem::take(&mut verdict.settlements) {
+            let delta = -i64::try_from(s.reserved).unwrap_or(i64::MAX);
+            match &self.rules[s.rule].global {
+                Some(g) => g.settle(&s.key, delta),
+                None => self.rules[s.rule].limiter.settle(&s.key, now, delta),
+            }
+        }
     }
 
     /// Resolves the round trips a verdict is waiting for.
@@ -530,8 +622,15 @@ impl RuleSet {
                 continue;
             };
             let stop = match g.acquire_remote(&p.key, now, p.cost).await {
-                LocalOutcome::Decided(d) => self.account(verdict, p.rule, d, p.key_hash, &p.key),
-                LocalOutcome::Unavailable => self.unavailable(verdict, p.rule),
+                LocalOutcome::Decided(d) => {
+                    let charge = Charge {
+                        reserved: p.cost,
+                        counted: p.counted,
+                        now,
+                    };
+                    self.account(verdict, p.rule, d, p.key_hash, &p.key, charge)
+                }
+                LocalOutcome::Unavailable => self.unavailable(verdict, p.rule, now),
                 LocalOutcome::NeedRemote => false,
             };
             if stop {
@@ -541,15 +640,52 @@ impl RuleSet {
     }
 }
 
-/// Concurrency permits report no remaining count of their own; advertise the cap.
-fn concurrency_allowed(l: &CompiledLimit) -> limiter::Decision {
+/// The 429 decision for a key still serving its `blockFor`.
+fn blocked_decision(l: &CompiledLimit, wait: Nanos) -> limiter::Decision {
     limiter::Decision {
-        allowed: true,
-        limit: l.requests,
-        remaining: l.requests,
-        reset: 0,
-        retry_after: 0,
+        allowed: false,
+        limit: l.burst,
+        remaining: 0,
+        reset: wait,
+        retry_after: wait,
         delay: 0,
+    }
+}
+
+impl RuleSet {
+    /// Settles what admitted requests reserved, now that the response is known: a response
+    /// whose status does not count costs nothing; one that counts costs its `responseHeader`
+    /// value (clamped to `cost.max`; missing or not a number: the reservation stands) or the
+    /// request's own cost. Local rules settle in their counters, global ones through their
+    /// lease (see [`GlobalRule::settle`]).
+    pub fn settle(
+        &self,
+        settlements: &[Settlement],
+        status: u16,
+        headers: &http::HeaderMap,
+        now: Nanos,
+    ) {
+        for s in settlements {
+            let active = &self.rules[s.rule];
+            let rule = &active.rule;
+            let actual = if !rule.counts_status(status) {
+                0
+            } else if let Some(name) = &rule.cost.response_header {
+                headers
+                    .get(name.as_str())
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .map_or(s.reserved, |v| v.min(u64::from(rule.cost.max)))
+            } else {
+                s.counted
+            };
+            let delta = i64::try_from(actual).unwrap_or(i64::MAX)
+                - i64::try_from(s.reserved).unwrap_or(i64::MAX);
+            match &active.global {
+                Some(g) => g.settle(&s.key, delta),
+                None => active.limiter.settle(&s.key, now, delta),
+            }
+        }
     }
 }
 
@@ -608,6 +744,7 @@ mod tests {
             period_ms: u64::MAX,
             burst: 1,
             max_delay_ms: u64::MAX,
+            block_for_ms: u64::MAX,
         };
         let _ = quota_for(&limit);
         let parts = http::Request::builder()
@@ -619,6 +756,7 @@ mod tests {
             amount: 1,
             header: Some("x-cost".into()),
             max: 0,
+            ..CompiledCost::default()
         };
         assert_eq!(request_cost(&cost, &parts), 1);
     }

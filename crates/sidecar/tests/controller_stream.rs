@@ -178,30 +178,46 @@ async fn admitted(s: &Sidecar, key: &str, n: usize) -> usize {
     ok
 }
 
+/// Starts a sidecar streaming from `url` as pod `test/p1`, its token file holding `token`.
+/// The directory holding the token lives as long as the returned guard.
+async fn stream_sidecar(
+    upstream: &Upstream,
+    url: &str,
+    token: &str,
+    extra: &[&str],
+) -> (Sidecar, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, token).unwrap();
+    let token_arg = token_file.to_string_lossy().to_string();
+    let mut args = vec![
+        "--controller",
+        url,
+        "--pod-name",
+        "p1",
+        "--pod-namespace",
+        "test",
+        "--token-file",
+        &token_arg,
+    ];
+    args.extend_from_slice(extra);
+    (
+        Sidecar::start_with_source(&upstream.url(), &args).await,
+        dir,
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rules_arrive_over_the_stream_and_survive_a_controller_outage() {
     within(90, async {
         let upstream = Upstream::start().await;
         let controller = FakeController::start(0, vec![snapshot(1, 2)]).await;
-        let dir = tempfile::tempdir().unwrap();
-        let token = dir.path().join("token");
-        std::fs::write(&token, "test-token\n").unwrap();
         let url = format!("http://127.0.0.1:{}", controller.port);
-        let token_arg = token.to_string_lossy().to_string();
-        let s = Sidecar::start_with_source(
-            &upstream.url(),
-            &[
-                "--controller",
-                &url,
-                "--pod-name",
-                "p1",
-                "--pod-namespace",
-                "test",
-                "--token-file",
-                &token_arg,
-                "--controller-idle-timeout",
-                "2s",
-            ],
+        let (s, _token_dir) = stream_sidecar(
+            &upstream,
+            &url,
+            "test-token\n",
+            &["--controller-idle-timeout", "2s"],
         )
         .await;
 
@@ -266,25 +282,8 @@ async fn a_refused_token_keeps_the_sidecar_unready() {
     within(60, async {
         let upstream = Upstream::start().await;
         let controller = FakeController::start(0, vec![snapshot(1, 2)]).await;
-        let dir = tempfile::tempdir().unwrap();
-        let token = dir.path().join("token");
-        std::fs::write(&token, "wrong").unwrap();
         let url = format!("http://127.0.0.1:{}", controller.port);
-        let token_arg = token.to_string_lossy().to_string();
-        let s = Sidecar::start_with_source(
-            &upstream.url(),
-            &[
-                "--controller",
-                &url,
-                "--pod-name",
-                "p1",
-                "--pod-namespace",
-                "test",
-                "--token-file",
-                &token_arg,
-            ],
-        )
-        .await;
+        let (s, _token_dir) = stream_sidecar(&upstream, &url, "wrong", &[]).await;
         poll_until(Duration::from_secs(10), "a refused attempt", || async {
             (controller.seen.lock().unwrap().unauthorized > 0).then_some(())
         })
@@ -300,4 +299,92 @@ fn rand_suffix() -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u8(0);
     h.finish()
+}
+
+/// Starts a sidecar streaming from `url` (with `extra` flags) that never gets rules, and waits
+/// until its readiness body names `expected` as the cause.
+async fn unready_because(url: &str, extra: &[&str], expected: &[&str]) {
+    let upstream = Upstream::start().await;
+    let (s, _token_dir) = stream_sidecar(&upstream, url, "test-token", extra).await;
+    let c = client();
+    let body = poll_until(Duration::from_secs(30), "a failed attempt", || async {
+        let r = c.get(s.admin_url("/readyz")).send().await.ok()?;
+        assert_eq!(r.status(), 503, "no rules: not ready");
+        let body = r.text().await.ok()?;
+        body.contains("rule stream:").then_some(body)
+    })
+    .await;
+    let lower = body.to_ascii_lowercase();
+    assert!(
+        expected.iter().any(|e| lower.contains(e)),
+        "readiness body should name the cause ({expected:?}): {body}"
+    );
+    let debug = s.admin_json(&c, "/debug/stream").await;
+    assert_eq!(debug["connected"], false, "{debug}");
+    assert_eq!(debug["controller"], url, "{debug}");
+    assert!(
+        debug["failedAttemptsSinceConnected"].as_u64() >= Some(1),
+        "{debug}"
+    );
+    assert!(debug["hint"].is_string(), "{debug}");
+    let last = debug["lastError"]
+        .as_str()
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    assert!(expected.iter().any(|e| last.contains(e)), "{debug}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unresolvable_controller_is_named_as_a_dns_failure() {
+    within(
+        60,
+        unready_because(
+            "http://tollgate-controller.tollgate.invalid:8443",
+            &[],
+            &["dns error", "failed to lookup address"],
+        ),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_controller_port_is_named_as_a_refused_connection() {
+    let url = format!("http://{}", closed_port().await);
+    within(60, unready_because(&url, &[], &["connection refused"])).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controller_certificate_from_another_ca_is_named_as_such() {
+    let dir = tempfile::tempdir().unwrap();
+    let (acceptor, _served_ca) = tls_acceptor(
+        dir.path(),
+        "served",
+        "controller",
+        "localhost",
+        "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+    );
+    // The sidecar trusts a different CA: what a reinstall that made a new CA looks like.
+    let trusted = tollgate_testkit::pki::Ca::new(dir.path(), "trusted", "old-controller-ca");
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let _ = acceptor.accept(tcp).await;
+            });
+        }
+    });
+    let url = format!("https://127.0.0.1:{port}");
+    let ca_arg = trusted.crt().to_string_lossy().to_string();
+    within(
+        60,
+        unready_because(
+            &url,
+            &["--controller-ca-file", &ca_arg],
+            &["unknownissuer", "certificate"],
+        ),
+    )
+    .await;
+    server.abort();
 }

@@ -116,6 +116,42 @@ async fn hot_reload_applies_good_edits_and_refuses_bad_ones() {
             "a refused reload must not make the pod unready"
         );
 
+        // A misspelled field is refused the same way (it used to load as a policy without
+        // it): reported with its path, the last good rules stay in force.
+        sc.write_policy(
+            &limit_policy(1, "1m")
+                .replace("        period: 1m", "        period: 1m\n        burts: 1"),
+        );
+        let error = poll_until(Duration::from_secs(4), "the misspelling error", || {
+            let c = c.clone();
+            let admin = sc.admin_url("/debug/config");
+            async move {
+                let v: serde_json::Value = c.get(admin).send().await.ok()?.json().await.ok()?;
+                let e = v["configError"].as_str()?;
+                e.contains("burts").then(|| e.to_string())
+            }
+        })
+        .await;
+        assert!(
+            error.contains("spec.rules[0].limit.burts: unknown field (did you mean `burst`?)"),
+            "{error}"
+        );
+        assert_eq!(
+            debug_config(&c, &sc).await["version"],
+            2,
+            "the misspelled edit was applied"
+        );
+        let m = sc.metrics(&c).await;
+        assert_eq!(
+            metric(&m, "tollgate_config_errors_total", &[]),
+            Some(2.0),
+            "{m}"
+        );
+        assert!(
+            limit_in_force(&c, &url, &fresh, 2).await,
+            "old rules no longer in force after a misspelled edit"
+        );
+
         // Fixing the file recovers.
         sc.write_policy(&limit_policy(4, "1m"));
         poll_until(Duration::from_secs(4), "recovery", || {
@@ -142,9 +178,21 @@ async fn hot_reload_applies_good_edits_and_refuses_bad_ones() {
 
 #[test]
 fn refuses_to_start_with_an_invalid_policy() {
+    refuses_to_start_with(&limit_policy(5, "soon"), "spec.rules[0].limit.period");
+    // A misspelled field is as invalid as a bad value.
+    refuses_to_start_with(
+        &limit_policy(5, "1m").replace(
+            "      scope: Local",
+            "      scope: Local\n      failurMode: Closed",
+        ),
+        "spec.rules[0].failurMode: unknown field (did you mean `failureMode`?)",
+    );
+}
+
+fn refuses_to_start_with(yaml: &str, needle: &str) {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("bad.yaml");
-    std::fs::write(&file, limit_policy(5, "soon")).unwrap();
+    std::fs::write(&file, yaml).unwrap();
     let mut child = Command::new(BIN)
         .args([
             "--listen",
@@ -177,7 +225,7 @@ fn refuses_to_start_with_an_invalid_policy() {
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
     assert!(!status.success(), "started with an invalid policy");
-    assert!(stderr.contains("spec.rules[0].limit.period"), "{stderr}");
+    assert!(stderr.contains(needle), "{needle:?} not in {stderr}");
 }
 
 fn examples_dir() -> PathBuf {
@@ -273,6 +321,44 @@ fn check_reports_every_error_with_its_field_path() {
         err.contains("spec.bypass.cidrs"),
         "second error not reported: {err}"
     );
+
+    // Misspelled fields are errors, not silently different policies (issue 16), reported with
+    // the others.
+    let typos = dir.path().join("typos.yaml");
+    std::fs::write(
+        &typos,
+        policy(
+            "typos",
+            "
+            failurMode: Closed
+            rules:
+              - name: ok-rule
+                limit:
+                  requests: 5
+                  period: 10s
+                  burts: 5
+                scope: Local
+              - name: bad-rule
+                limit:
+                  requests: 0
+                  period: 10s
+                scope: Local
+            ",
+        ),
+    )
+    .unwrap();
+    let (status, out, typo_err) = run_check(&[&typos]);
+    assert!(
+        !status.success(),
+        "check accepted misspelled fields:\n{out}"
+    );
+    for needle in [
+        "typos.yaml: policy typos: spec.failurMode: unknown field (did you mean `failureMode`?)",
+        "typos.yaml: policy typos: spec.rules[0].limit.burts: unknown field (did you mean `burst`?)",
+        "spec.rules[1].limit.requests",
+    ] {
+        assert!(typo_err.contains(needle), "{needle:?} not in {typo_err}");
+    }
     assert!(
         err.contains("bad.yaml"),
         "error does not name the file: {err}"
@@ -349,7 +435,7 @@ async fn admin_endpoints_report_health_metrics_and_rules() {
                   requests: 1000
                   period: 1h
                   algorithm: SlidingWindow
-                scope: Local
+                scope: Global
             ",
         );
         let sc = Sidecar::start(&up.url(), &yaml, &[]).await;
@@ -360,14 +446,7 @@ async fn admin_endpoints_report_health_metrics_and_rules() {
         );
 
         // The rejected key tops /debug/top-keys, hashed (raw keys are off by default).
-        let top: serde_json::Value = c
-            .get(sc.admin_url("/debug/top-keys"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let top = sc.admin_json(&c, "/debug/top-keys").await;
         let first = &top["topKeys"][0];
         assert_eq!(first["rule"], "test/admin/per-key", "{top}");
         assert_eq!(first["rejected"], 1, "{top}");
@@ -428,6 +507,18 @@ async fn admin_endpoints_report_health_metrics_and_rules() {
         assert_eq!(described.len(), 2, "{rules}");
         assert!(described[0].starts_with("per-key:"), "{described:?}");
         assert!(described[1].starts_with("everyone:"), "{described:?}");
+        // No --redis: the Global rule runs on this sidecar alone, and the words must say so.
+        assert!(
+            described[1].contains("enforced by this sidecar on its own")
+                && !described[1].contains("shared by all sidecars")
+                && !described[1].contains("if Redis is unreachable"),
+            "{described:?}"
+        );
+        assert_eq!(
+            rules["globalRulesEnforcedLocally"].as_array().map(Vec::len),
+            Some(1),
+            "{rules}"
+        );
         assert_eq!(
             rules["policies"].as_array().map(Vec::len),
             Some(1),

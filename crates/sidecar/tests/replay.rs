@@ -433,6 +433,41 @@ fn unusable_inputs_fail_cleanly() {
     .unwrap();
     let (ok, _, err) = succeeded(replay_of(&broken, &f.path("access.log"), &[]));
     assert!(!ok && err.contains("requests"), "{err}");
+    // So is a misspelled field: replaying a policy without the intended burst would report
+    // numbers for another policy than the one written.
+    let misspelled = f.path("misspelled.yaml");
+    std::fs::write(
+        &misspelled,
+        policy(
+            "misspelled",
+            "rules:\n- name: r\n  limit: {requests: 5, period: 1m, burts: 10}\n  scope: Local\n",
+        ),
+    )
+    .unwrap();
+    let (ok, out, err) = succeeded(replay_of(&misspelled, &f.path("access.log"), &[]));
+    assert!(!ok, "replayed a misspelled policy:\n{out}");
+    assert!(
+        err.contains("spec.rules[0].limit.burts: unknown field (did you mean `burst`?)"),
+        "{err}"
+    );
+    let baseline_ok = f.path("baseline-ok.yaml");
+    std::fs::write(
+        &baseline_ok,
+        policy(
+            "baseline",
+            "rules:\n- name: r\n  limit: {requests: 5, period: 1m}\n  scope: Local\n",
+        ),
+    )
+    .unwrap();
+    let (ok, _, err) = succeeded(replay_of(
+        &baseline_ok,
+        &f.path("access.log"),
+        &["--baseline", &misspelled],
+    ));
+    assert!(
+        !ok && err.contains("spec.rules[0].limit.burts"),
+        "baseline: {err}"
+    );
 
     // --baseline needs --replay; plain `check` still works with --policy or paths.
     let (ok, _, _) = run(&[
@@ -446,4 +481,60 @@ fn unusable_inputs_fail_cleanly() {
     let (ok, out, _) = run(&["check", "--policy", &f.path("new.yaml")]);
     assert!(ok && out.contains("policy test/replay"), "{out}");
     assert!(Path::new(&f.path("access.log")).exists());
+}
+
+/// Response-side fields in the log settle rules whose cost is known at the response: failed
+/// logins counted by status, tokens by response header.
+#[test]
+fn replay_settles_response_side_costs_from_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = "
+        rules:
+          - name: failed-logins
+            match: {path: {exact: /login}}
+            key: [{header: x-user}]
+            limit: {requests: 2, period: 15m}
+            count: {statuses: [401]}
+            scope: Local
+          - name: tokens
+            match: {path: {prefix: /v1}}
+            key: [{header: x-user}]
+            limit: {requests: 100, period: 1h}
+            cost: {responseHeader: x-llm-tokens, max: 1000}
+            scope: Local
+    ";
+    std::fs::write(dir.path().join("p.yaml"), policy("resp", rules)).unwrap();
+    let line = |s: u64, path: &str, status: u16, tokens: Option<u64>| {
+        let resp = tokens.map_or(String::new(), |t| {
+            format!(",\"response_headers\":{{\"x-llm-tokens\":\"{t}\"}}")
+        });
+        format!(
+            "{{\"ts\":{},\"method\":\"POST\",\"path\":\"{path}\",\"headers\":{{\"x-user\":\"u\"}},\
+             \"client_ip\":\"10.0.0.1\",\"status\":{status}{resp}}}\n",
+            1_746_100_800_000u64 + s * 1000
+        )
+    };
+    let mut log = String::new();
+    // Five successful logins never count; two failures do; the next attempt is rejected.
+    for s in 0..5 {
+        log.push_str(&line(s, "/login", 200, None));
+    }
+    log.push_str(&line(5, "/login", 401, None));
+    log.push_str(&line(6, "/login", 401, None));
+    log.push_str(&line(7, "/login", 200, None));
+    // 60 + 60 tokens of 100: the third call is rejected (in debt).
+    log.push_str(&line(8, "/v1/chat", 200, Some(60)));
+    log.push_str(&line(9, "/v1/chat", 200, Some(60)));
+    log.push_str(&line(10, "/v1/chat", 200, Some(1)));
+    std::fs::write(dir.path().join("access.log"), log).unwrap();
+    let (ok, out, err) = succeeded(replay_of(
+        &dir.path().join("p.yaml").display().to_string(),
+        &dir.path().join("access.log").display().to_string(),
+        &[],
+    ));
+    assert!(ok, "{err}\n{out}");
+    let logins = rule_section(&out, "test/resp/failed-logins");
+    assert_has(&logins, "matched 8, would-allow 7, would-reject 1");
+    let tokens = rule_section(&out, "test/resp/tokens");
+    assert_has(&tokens, "matched 3, would-allow 2, would-reject 1");
 }

@@ -173,7 +173,7 @@ async fn concurrency_limit_caps_requests_in_flight() {
         assert!(header_u64(&resp, "retry-after") >= 1);
         assert_eq!(
             header(&resp, "ratelimit-policy"),
-            "\"two-at-a-time\";q=2;w=1"
+            "\"two-at-a-time\";q=2;qu=\"concurrent-requests\""
         );
         let body: serde_json::Value = resp.json().await.unwrap();
         let detail = body["detail"].as_str().unwrap();

@@ -80,28 +80,13 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
 /// A TLS acceptor for `localhost`/127.0.0.1 with a certificate from a fresh test CA; returns it
 /// with the CA's PEM file.
 fn collector_tls(dir: &std::path::Path) -> (tokio_rustls::TlsAcceptor, std::path::PathBuf) {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let ca = tollgate_testkit::pki::Ca::new(dir, "ca", "otel-collector-ca");
-    ca.issue(
+    tls_acceptor(
+        dir,
+        "otel-collector",
         "collector",
         "localhost",
         "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
-    );
-    let certs = CertificateDer::pem_file_iter(dir.join("collector.crt"))
-        .unwrap()
-        .collect::<Result<Vec<_>, _>>()
-        .unwrap();
-    let key = PrivateKeyDer::from_pem_file(dir.join("collector.key")).unwrap();
-    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(certs, key)
-    .unwrap();
-    (tokio_rustls::TlsAcceptor::from(Arc::new(config)), ca.crt())
+    )
 }
 
 /// An `https://` collector is reached when the sidecar trusts its CA (`--otlp-ca-file`); one

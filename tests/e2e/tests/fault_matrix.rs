@@ -359,7 +359,9 @@ impl Load {
                                 let ok = match status {
                                     503 => {
                                         h("content-type") == "application/problem+json"
-                                            && h("retry-after") == "1"
+                                            && h("retry-after")
+                                                .parse::<u64>()
+                                                .is_ok_and(|s| (1..=3).contains(&s))
                                     }
                                     429 => {
                                         h("content-type") == "application/problem+json"

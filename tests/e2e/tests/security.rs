@@ -1097,8 +1097,8 @@ fn rule_stream_over_tls_needs_the_controllers_ca() {
     );
     let logs = untrusted.proc.logs().join("\n");
     assert!(
-        logs.contains("rule stream interrupted"),
-        "the refused connection is logged: {logs}"
+        logs.contains("rule stream unavailable") && logs.contains("UnknownIssuer"),
+        "the refused connection is logged with its cause: {logs}"
     );
 
     // Plain HTTP to the TLS port gets no rule stream.

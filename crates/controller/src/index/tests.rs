@@ -132,6 +132,29 @@ fn bad_update_keeps_last_good_version_and_records_errors() {
     assert_eq!(index.summary().invalid_policies, 0);
 }
 
+/// An object stored with a misspelled field (the validating webhook was absent) decodes, as the
+/// watch decodes it, and is not Accepted: the field is an error; the last good version stays.
+#[test]
+fn stored_unknown_field_is_an_error_and_keeps_last_good_version() {
+    let mut index = index_with_pods();
+    index.apply_policy(input(&mk_policy("shop", "limits", "api", 10)));
+    let v1 = index.version();
+    let mut stored = serde_json::to_value(mk_policy("shop", "limits", "api", 20)).unwrap();
+    stored["metadata"]["generation"] = serde_json::json!(2);
+    stored["metadata"]["futureMetaField"] = serde_json::json!("not tollgate's business");
+    stored["spec"]["rules"][0]["limit"]["burts"] = serde_json::json!(5);
+    let decoded: tollgate_crd::Decoded = serde_json::from_value(stored).unwrap();
+    assert!(!index.apply_policy(PolicyInput::from_decoded(&decoded).unwrap()));
+    assert_eq!(index.version(), v1, "the misspelled version was applied");
+    let view = index.policy_view("shop", "limits").unwrap();
+    let errors: Vec<String> = view.errors.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        errors,
+        ["spec.rules[0].limit.burts: unknown field (did you mean `burst`?)"]
+    );
+    assert!(view.compiled.is_some(), "last good version stays in force");
+}
+
 #[test]
 fn policy_invalid_from_the_start_is_not_enforced() {
     let mut index = index_with_pods();

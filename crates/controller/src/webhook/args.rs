@@ -126,6 +126,13 @@ pub struct WebhookArgs {
     #[arg(long, env = "TOLLGATE_SIDECAR_TOKEN_EXPIRATION", default_value = "1h", value_parser = crate::args::parse_duration)]
     pub sidecar_token_expiration: Duration,
 
+    /// How long app containers without a `preStop` keep serving after their pod is deleted,
+    /// while Services and load balancers stop routing to it (a `preStop` sleep; at most half
+    /// the pod's grace period; `0s` turns it off). The pod annotation `tollgate.dev/drain-delay`
+    /// overrides it.
+    #[arg(long, env = "TOLLGATE_SIDECAR_DRAIN_DELAY", default_value = "5s", value_parser = crate::args::parse_duration)]
+    pub sidecar_drain_delay: Duration,
+
     /// Resources of the sidecar as JSON, e.g. `{"requests":{"cpu":"50m","memory":"32Mi"}}`.
     #[arg(
         long,
@@ -254,6 +261,7 @@ impl WebhookArgs {
             resources: self.sidecar_resources.clone(),
             redis,
             extra_args: self.sidecar_args.clone(),
+            drain_delay_seconds: self.sidecar_drain_delay.as_secs() as i64,
             controller_ca: None,
         };
         cfg.check()?;

@@ -30,6 +30,9 @@ pub const INJECT: &str = "tollgate.dev/inject";
 pub const UPSTREAM_PORT: &str = "tollgate.dev/upstream-port";
 /// Pod annotation: name of an app container port to hand over to the sidecar.
 pub const REWRITE_PORT: &str = "tollgate.dev/rewrite-port";
+/// Pod annotation: how long the app's containers keep serving after the pod is deleted (a
+/// duration such as `5s`; `0s` turns it off), overriding `--sidecar-drain-delay`.
+pub const DRAIN_DELAY: &str = "tollgate.dev/drain-delay";
 /// Pod annotation written on injection: the sidecar's version.
 pub const SIDECAR_VERSION: &str = "tollgate.dev/sidecar-version";
 /// Value of [`INJECT`] that opts in.
@@ -67,6 +70,9 @@ pub struct InjectConfig {
     pub resources: ResourceRequirements,
     pub redis: Option<RedisConfig>,
     pub extra_args: Vec<String>,
+    /// Seconds of `preStop` sleep given to app containers that have no `preStop` of their own;
+    /// see [`drain_delay`].
+    pub drain_delay_seconds: i64,
     /// PEM CA of an `https://` controller URL, given to the sidecar as `TOLLGATE_CONTROLLER_CA`
     /// (public material; set per review from the current certificate directory).
     pub controller_ca: Option<String>,
@@ -157,6 +163,7 @@ impl InjectConfig {
             .expect("resources"),
             redis: None,
             extra_args: Vec::new(),
+            drain_delay_seconds: 5,
             controller_ca: None,
         }
     }
@@ -400,6 +407,8 @@ pub struct Plan {
     /// The app port the sidecar forwards to (`--upstream http://127.0.0.1:<port>`).
     pub upstream_port: u16,
     pub rewrite: Option<PortRewrite>,
+    /// Seconds of `preStop` sleep for app containers without a `preStop`; 0 for none.
+    pub drain_delay_seconds: i64,
 }
 
 /// Reads an opt-in/out value from the pod's annotations and labels.
@@ -499,7 +508,33 @@ pub fn decide(pod: &Pod, namespace_opted_in: bool, cfg: &InjectConfig) -> Result
     Ok(Plan {
         upstream_port,
         rewrite,
+        drain_delay_seconds: drain_delay(pod, spec, cfg)?,
     })
+}
+
+/// Why app containers get a `preStop` sleep: a deleted pod is taken out of Service endpoints
+/// while the kubelet already stops its containers, and kube-proxy, ingress controllers and
+/// load balancers notice only after a moment. A native sidecar stops after the app, so an app
+/// that exits at SIGTERM would leave the sidecar answering 502 for requests still routed to
+/// the pod. The sleep keeps the app serving until the routes are gone; the sidecar then drains
+/// last. At most half the pod's grace period, so the app still has time to stop.
+fn drain_delay(
+    pod: &Pod,
+    spec: &k8s_openapi::api::core::v1::PodSpec,
+    cfg: &InjectConfig,
+) -> Result<i64, Skip> {
+    let wanted = match annotation(pod, DRAIN_DELAY) {
+        None => cfg.drain_delay_seconds,
+        Some(v) => humantime::parse_duration(v.trim())
+            .map(|d| d.as_secs() as i64)
+            .map_err(|e| {
+                Skip::BadAnnotation(format!(
+                    "{DRAIN_DELAY}: {v:?} is not a duration such as 5s: {e}"
+                ))
+            })?,
+    };
+    let grace = spec.termination_grace_period_seconds.unwrap_or(30);
+    Ok(wanted.min(grace / 2).max(0))
 }
 
 fn port_number(p: &ContainerPort) -> u16 {
@@ -784,6 +819,33 @@ pub fn patch(raw: &Value, pod: &Pod, cfg: &InjectConfig, plan: &Plan) -> Patch {
         }
     }
 
+    if plan.drain_delay_seconds > 0 {
+        let sleep = serde_json::json!({"sleep": {"seconds": plan.drain_delay_seconds}});
+        for (i, c) in pod
+            .spec
+            .iter()
+            .flat_map(|s| s.containers.iter())
+            .enumerate()
+        {
+            let lifecycle = c.lifecycle.as_ref();
+            if lifecycle.is_some_and(|l| l.pre_stop.is_some()) {
+                continue; // the app drains its own way
+            }
+            let ci = i.to_string();
+            if present(&format!("/spec/containers/{i}/lifecycle")) {
+                ops.push(add(
+                    ptr(["spec", "containers", &ci, "lifecycle", "preStop"]),
+                    sleep.clone(),
+                ));
+            } else {
+                ops.push(add(
+                    ptr(["spec", "containers", &ci, "lifecycle"]),
+                    serde_json::json!({ "preStop": sleep }),
+                ));
+            }
+        }
+    }
+
     // A projected ServiceAccount token is only valid with a serviceAccountName. The
     // ServiceAccount admission plugin sets it to "default" before webhooks run; where that
     // plugin is off, set the same value here so the patched pod stays valid.
@@ -909,6 +971,44 @@ mod tests {
         let mut v = app(json!([{"containerPort":8080}]));
         v["spec"]["hostNetwork"] = json!(true);
         assert_eq!(decide(&pod(v).1, true, &cfg), Err(Skip::HostNetwork));
+    }
+
+    #[test]
+    fn app_containers_get_a_drain_sleep_unless_they_drain_their_own_way() {
+        let cfg = InjectConfig::example();
+        let delay = |v: Value| decide(&pod(v).1, true, &cfg).map(|p| p.drain_delay_seconds);
+        let ports = json!([{"containerPort":8080}]);
+        assert_eq!(delay(app(ports.clone())), Ok(5));
+        let mut v = app(ports.clone());
+        v["metadata"]["annotations"] = json!({DRAIN_DELAY: "12s"});
+        assert_eq!(delay(v.clone()), Ok(12));
+        // At most half the grace period, so the app still gets time to stop.
+        v["spec"]["terminationGracePeriodSeconds"] = json!(10);
+        assert_eq!(delay(v), Ok(5));
+        let mut v = app(ports.clone());
+        v["metadata"]["annotations"] = json!({DRAIN_DELAY: "0s"});
+        assert_eq!(delay(v), Ok(0));
+        let mut v = app(ports.clone());
+        v["metadata"]["annotations"] = json!({DRAIN_DELAY: "soon"});
+        assert!(matches!(delay(v), Err(Skip::BadAnnotation(m)) if m.contains(DRAIN_DELAY)));
+
+        // Two containers: one with its own preStop (kept), one with a lifecycle but no preStop.
+        let mut v = app(ports);
+        v["spec"]["containers"][0]["lifecycle"] = json!({"preStop":{"exec":{"command":["drain"]}}});
+        v["spec"]["containers"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"name":"worker","image":"w","lifecycle":{"postStart":{"exec":{"command":["x"]}}}}));
+        let (raw, p) = pod(v);
+        let plan = decide(&p, true, &cfg).unwrap();
+        let text = serde_json::to_string(&patch(&raw, &p, &cfg, &plan)).unwrap();
+        assert!(!text.contains("/spec/containers/0/lifecycle"), "{text}");
+        assert!(
+            text.contains(
+                r#""path":"/spec/containers/1/lifecycle/preStop","value":{"sleep":{"seconds":5}}"#
+            ),
+            "{text}"
+        );
     }
 
     #[test]

@@ -2,10 +2,16 @@
 //! check (regexes that do not compile, cross-field rules) runs through the same
 //! `tollgate_crd::compile` the controller and the sidecar use, and every error is reported
 //! with its field path.
+//!
+//! Unknown fields under `spec` are denied too (`spec.rules[0].limit.burts: unknown field (did
+//! you mean `burst`?)`). The CRD marks every object under `spec` with
+//! `x-kubernetes-preserve-unknown-fields`, so the API server hands them to this webhook instead
+//! of pruning them; without that, a client that does not ask for strict field validation (Helm,
+//! GitOps tools) would get a different policy than written and no warning.
 
 use kube::core::admission::Operation;
 use serde_json::Value;
-use tollgate_crd::{RateLimitPolicy, compile_parts};
+use tollgate_crd::{FieldError, compile_parts};
 
 /// The result of validating one policy.
 #[derive(Debug, PartialEq, Eq)]
@@ -39,10 +45,12 @@ pub fn validate_policy(
     {
         return Verdict::Allow;
     }
-    let policy: RateLimitPolicy = match serde_json::from_value(object.clone()) {
-        Ok(p) => p,
+    let decoded = match tollgate_crd::decode::from_json(object.clone()) {
+        Ok(d) => d.only_spec(),
         Err(e) => return Verdict::Deny(format!("spec: cannot be decoded: {e}")),
     };
+    let mut errors: Vec<FieldError> = decoded.unknown_fields;
+    let policy = decoded.policy;
     let name = policy
         .metadata
         .name
@@ -56,12 +64,14 @@ pub fn validate_policy(
         .or_else(|| namespace.map(str::to_string))
         .unwrap_or_else(|| "default".to_string());
     let generation = policy.metadata.generation.unwrap_or(0);
-    match compile_parts(&namespace, &name, generation, &policy.spec) {
-        Ok(_) => Verdict::Allow,
-        Err(errors) => {
-            let lines: Vec<String> = errors.0.iter().map(ToString::to_string).collect();
-            Verdict::Deny(lines.join("; "))
-        }
+    if let Err(more) = compile_parts(&namespace, &name, generation, &policy.spec) {
+        errors.extend(more.0);
+    }
+    if errors.is_empty() {
+        Verdict::Allow
+    } else {
+        let lines: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        Verdict::Deny(lines.join("; "))
     }
 }
 
@@ -92,6 +102,42 @@ mod tests {
             msg.contains("spec.rules[1].match.headers[0].regex"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn denies_unknown_spec_fields_with_their_path_and_a_suggestion() {
+        let mut bad = policy(json!({"prefix": "/a"}));
+        bad["spec"]["rules"].as_array_mut().unwrap().pop();
+        bad["spec"]["failurMode"] = json!("Closed");
+        bad["spec"]["rules"][0]["limit"]["burts"] = json!(5);
+        let Verdict::Deny(msg) =
+            validate_policy(&Operation::Create, Some("shop"), "p", Some(&bad), None)
+        else {
+            panic!("allowed");
+        };
+        assert_eq!(
+            msg,
+            "spec.failurMode: unknown field (did you mean `failureMode`?); \
+             spec.rules[0].limit.burts: unknown field (did you mean `burst`?)"
+        );
+        // An update that adds one is denied; metadata fields this controller does not know
+        // (a newer API server's) and status fields are not its business.
+        let mut good = bad.clone();
+        good["spec"].as_object_mut().unwrap().remove("failurMode");
+        good["spec"]["rules"][0]["limit"]
+            .as_object_mut()
+            .unwrap()
+            .remove("burts");
+        good["metadata"]["futureMetaField"] = json!("x");
+        good["status"] = json!({"ruleCount": 1, "futureStatusField": true});
+        assert_eq!(
+            validate_policy(&Operation::Create, Some("shop"), "p", Some(&good), None),
+            Verdict::Allow
+        );
+        assert!(matches!(
+            validate_policy(&Operation::Update, Some("shop"), "p", Some(&bad), Some(&good)),
+            Verdict::Deny(m) if m.contains("spec.rules[0].limit.burts")
+        ));
     }
 
     #[test]

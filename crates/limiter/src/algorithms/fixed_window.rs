@@ -46,6 +46,20 @@ impl LimiterState for FixedWindow {
         }
     }
 
+    /// A charge counts in the window current at `now` (a debt lasts until that window ends);
+    /// a refund only while the window the state holds is still current.
+    fn settle(&mut self, p: &Params, now: Nanos, delta: i64) {
+        let w = p.quota.period;
+        if now.saturating_sub(self.start) >= w {
+            if delta <= 0 {
+                return;
+            }
+            self.start = now - now % w;
+            self.count = 0;
+        }
+        self.count = self.count.saturating_add_signed(delta);
+    }
+
     #[inline]
     fn idle_at(&self, p: &Params) -> Nanos {
         if self.count == 0 {
@@ -59,6 +73,24 @@ impl LimiterState for FixedWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn settle_charges_the_current_window_and_refunds_only_within_it() {
+        let p = Params::new(
+            &crate::Quota::per_period(crate::Algorithm::FixedWindow, 10, crate::SECOND).unwrap(),
+        );
+        let mut w = FixedWindow::new();
+        assert!(w.acquire_with(&p, 0, 1).allowed);
+        w.settle(&p, 0, 11);
+        assert!(!w.acquire_with(&p, 0, 1).allowed, "12 counted against 10");
+        w.settle(&p, 0, -3);
+        assert!(w.acquire_with(&p, 0, 1).allowed, "refunded to 9");
+        // Next window: a refund for the old one changes nothing; a charge counts in the new one.
+        w.settle(&p, crate::SECOND, -5);
+        assert_eq!(w.acquire_with(&p, crate::SECOND, 0).remaining, 10);
+        w.settle(&p, crate::SECOND, 10);
+        assert!(!w.acquire_with(&p, crate::SECOND, 1).allowed);
+    }
     use crate::{Algorithm, MILLISECOND, Quota, SECOND};
 
     /// Documents the boundary flaw: 2× the limit within a few milliseconds.

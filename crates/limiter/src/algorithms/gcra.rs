@@ -43,6 +43,20 @@ pub(crate) fn available(tat: Ticks, p: &Params, now: Nanos) -> u64 {
     p.interval_div.div_u128(p.burst_ticks.saturating_sub(ahead))
 }
 
+/// Moves the schedule by `delta` units: later (a debt that may exceed the burst) or earlier
+/// (a refund, never before `now`, i.e. never fuller than full).
+pub(crate) fn settle(tat: &mut Ticks, p: &Params, now: Nanos, delta: i64) {
+    let now = u128::from(now) * u128::from(p.den);
+    let start = tat.get().max(now);
+    let shift = u128::from(delta.unsigned_abs()) * u128::from(p.interval);
+    let moved = if delta >= 0 {
+        start.saturating_add(shift)
+    } else {
+        start.saturating_sub(shift).max(now)
+    };
+    tat.set(moved);
+}
+
 /// Charges `cost` at `now`. Admits if the schedule runs at most `burst` ahead of `now`, or
 /// with `SHAPING` at most `burst + max_delay` ahead, reporting the excess as the delay.
 #[inline(always)]

@@ -42,6 +42,13 @@ pub trait LimiterState: Default + Send + 'static {
     /// windows empty, nothing in flight), so dropping it then loses nothing. This is what
     /// idle eviction keys on. [`NEVER`](crate::NEVER) while that is not foreseeable.
     fn idle_at(&self, params: &Params) -> Nanos;
+
+    /// Settles a charge after the fact (cost known only at the response): `delta > 0` takes
+    /// that many more units *unconditionally*, so the balance may go below zero and later
+    /// requests wait it off; `delta < 0` gives units back, never beyond full. Algorithms whose
+    /// state cannot express a debt (sliding log, leaky bucket, concurrency) ignore it; the
+    /// policy compiler refuses response-side costs for them.
+    fn settle(&mut self, _params: &Params, _now: Nanos, _delta: i64) {}
 }
 
 /// `a / b` for a 128-bit dividend and 64-bit divisor, using the cheap 64-bit instruction when

@@ -96,6 +96,14 @@ impl LimiterState for SlidingWindow {
         Decision::reject(limit, remaining, self.reset(elapsed, w), retry)
     }
 
+    /// A charge counts in the window current at `now`; a refund comes off the current
+    /// window only (a reservation refunded after a rollover stays counted: it errs towards
+    /// admitting less).
+    fn settle(&mut self, p: &Params, now: Nanos, delta: i64) {
+        self.roll(now, p.quota.period);
+        self.cur = self.cur.saturating_add_signed(delta);
+    }
+
     #[inline]
     fn idle_at(&self, p: &Params) -> Nanos {
         let w = p.quota.period;

@@ -38,6 +38,10 @@ impl LimiterState for TokenBucket {
     fn idle_at(&self, p: &Params) -> Nanos {
         self.tat.to_ns(p)
     }
+
+    fn settle(&mut self, p: &Params, now: Nanos, delta: i64) {
+        gcra::settle(&mut self.tat, p, now, delta);
+    }
 }
 
 #[cfg(test)]
@@ -47,6 +51,25 @@ mod tests {
 
     fn params(requests: u64, period: Nanos, burst: u64) -> Params {
         Params::new(&Quota::new(Algorithm::TokenBucket, requests, period, burst, 0).unwrap())
+    }
+
+    /// A cost known only at the response: settled into debt, waited off, refunded up to full.
+    #[test]
+    fn settle_can_go_into_debt_and_refunds_stop_at_full() {
+        let p = params(10, SECOND, 10);
+        let mut b = TokenBucket::new();
+        let t0 = 100 * SECOND;
+        assert!(b.acquire_with(&p, t0, 1).allowed);
+        // The response said 15: 14 more, 5 beyond the bucket.
+        b.settle(&p, t0, 14);
+        let d = b.acquire_with(&p, t0, 1);
+        assert!(!d.allowed);
+        // 5 owed plus the 1 wanted, at 10/s.
+        assert_eq!(d.retry_after, 600 * crate::MILLISECOND);
+        assert!(b.acquire_with(&p, t0 + 600 * crate::MILLISECOND, 1).allowed);
+        // A refund larger than what was spent leaves the bucket full, not fuller.
+        b.settle(&p, t0 + SECOND, -100);
+        assert_eq!(b.available(&p, t0 + SECOND), 10);
     }
 
     /// Seed example: capacity 5, refill 2/s.

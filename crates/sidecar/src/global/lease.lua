@@ -15,6 +15,8 @@
 -- ARGV[7]  give back: unused tokens returned (may be 0)
 -- ARGV[8]  window the returned tokens were taken in (windows only; ignored when it has passed)
 -- ARGV[9]  1 = all or nothing (strict and cold requests), 0 = grant as many as available
+-- ARGV[10] force: tokens taken unconditionally before the grant, even into debt (costs settled
+--          at the response, beyond what was leased or reserved; may be 0)
 -- returns {granted, remaining, reset_ms, retry_after_ms, window}
 local key, field = KEYS[1], ARGV[1]
 local algo = tonumber(ARGV[2])
@@ -25,6 +27,7 @@ local want = tonumber(ARGV[6])
 local back = tonumber(ARGV[7])
 local back_window = tonumber(ARGV[8])
 local all_or_nothing = ARGV[9] == '1'
+local force = tonumber(ARGV[10]) or 0
 
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -48,6 +51,8 @@ if algo == 1 then
     tat = tat - back * T
     if tat < now_us then tat = now_us end
   end
+  -- A debt may run the schedule past the burst: later requests wait it off.
+  if force > 0 then tat = tat + force * T end
   local available = math.floor((now_us + tau - tat) / T + 1e-9)
   if available < 0 then available = 0 end
   if want > 0 then
@@ -84,6 +89,7 @@ else
     cur = cur - back
     if cur < 0 then cur = 0 end
   end
+  cur = cur + force
   local elapsed = now_ms - win * period
   local weight = 0
   if algo == 2 then weight = 1 - elapsed / period end

@@ -68,6 +68,9 @@ pub struct Slot {
     field: [u8; 16],
     group: u32,
     tokens: AtomicU64,
+    /// Tokens owed to Redis: costs settled at the response beyond what this slot held. The
+    /// next round trip for the key takes them first, even into debt.
+    debt: AtomicU64,
     spent: AtomicU64,
     target: AtomicU64,
     global_remaining: AtomicU64,
@@ -233,6 +236,7 @@ impl GlobalRule {
                 field,
                 group,
                 tokens: AtomicU64::new(0),
+                debt: AtomicU64::new(0),
                 spent: AtomicU64::new(0),
                 target: AtomicU64::new(1),
                 // Unknown until Redis answers for this key.
@@ -391,15 +395,10 @@ impl GlobalRule {
         let held = slot.tokens.load(Ordering::Acquire);
         let target = slot.target.load(Ordering::Relaxed).min(self.share());
         let want = cost.saturating_sub(held).max(target.saturating_sub(held));
-        match self
-            .call_for_slot(
-                &slot,
-                self.op(field, group, want, 0, 0, false),
-                now,
-                timeout,
-            )
-            .await
-        {
+        let mut op = self.op(field, group, want, 0, 0, false);
+        op.force = slot.debt.swap(0, Ordering::AcqRel);
+        let owed = op.force;
+        match self.call_for_slot(&slot, op, now, timeout).await {
             Ok(r) => {
                 slot.credit(&r, self.runtime.settings.lease_until(now));
                 if let Some(d) = self.spend(&slot, now, cost) {
@@ -412,8 +411,63 @@ impl GlobalRule {
                 }
                 LocalOutcome::Decided(self.decision_from(&r, false))
             }
-            Err(_) => self.degraded(Some(&slot), key, now, cost),
+            Err(_) => {
+                // Whether the call landed is unknown; owing again errs towards admitting less.
+                slot.debt.fetch_add(owed, Ordering::AcqRel);
+                self.degraded(Some(&slot), key, now, cost)
+            }
         }
+    }
+
+    /// Settles a cost known only at the response (`delta` more tokens, or fewer when
+    /// negative). Leased: from and back into this sidecar's allowance, whatever it cannot
+    /// cover owed to Redis with the key's next round trip, so a settlement never costs a call
+    /// of its own. Strict: one call, off the request path.
+    pub fn settle(self: &Arc<Self>, key: &[u8], delta: i64) {
+        if delta == 0 {
+            return;
+        }
+        let (field, group) = self.field_for(key);
+        let slot = if self.strict { None } else { self.slot(&field) };
+        let Some(slot) = slot else {
+            return self.settle_remote(field, group, delta);
+        };
+        let n = delta.unsigned_abs();
+        if delta < 0 {
+            // Returned to Redis by the next sync if this sidecar does not need them.
+            slot.tokens.fetch_add(n, Ordering::AcqRel);
+            return;
+        }
+        slot.spent.fetch_add(n, Ordering::Relaxed);
+        let owed = n - take_up_to(&slot.tokens, n);
+        if owed > 0 {
+            slot.debt.fetch_add(owed, Ordering::AcqRel);
+            self.runtime.wake.notify_one();
+        }
+    }
+
+    /// A settlement for a key this sidecar holds no lease for (strict rules, or a lease that
+    /// went idle): one lease call that forces the charge or gives the refund back.
+    fn settle_remote(self: &Arc<Self>, field: [u8; 16], group: u32, delta: i64) {
+        let n = delta.unsigned_abs();
+        let mut op = self.op(field, group, 0, 0, 0, false);
+        if delta > 0 {
+            op.force = n;
+        } else {
+            op.give_back = n;
+            // Windows only take a refund for the window it was spent in: the current one.
+            let now_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            op.back_window = now_ms / self.period_ms.max(1);
+        }
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            let timeout = this.runtime.settings.sync_timeout;
+            if let Err(e) = this.call(op, timeout).await {
+                tracing::debug!(error = %e, rule = %this.rule_id, "settlement did not reach Redis");
+            }
+        });
     }
 
     /// Whether spending again may succeed: an in-flight top-up of this key has been credited
@@ -451,6 +505,7 @@ impl GlobalRule {
             give_back,
             back_window,
             all_or_nothing,
+            force: 0,
         }
     }
 
@@ -561,6 +616,8 @@ impl GlobalRule {
                     (projected + projected / 2 + 1).max(previous / 2).min(share)
                 };
                 slot.target.store(target.max(1), Ordering::Relaxed);
+                let owed = slot.debt.swap(0, Ordering::AcqRel);
+                let planned = plan.len();
                 let held = slot.tokens.load(Ordering::Acquire);
                 if held > target {
                     let give = take_up_to(&slot.tokens, held - target);
@@ -584,7 +641,17 @@ impl GlobalRule {
                         self.op(slot.field, slot.group, target - held, 0, 0, false),
                     ));
                 }
-                !idle || slot.tokens.load(Ordering::Acquire) > 0
+                if owed > 0 {
+                    // The debt rides with this round's call for the key, or one of its own.
+                    if plan.len() == planned {
+                        let op = self.op(slot.field, slot.group, 0, 0, 0, false);
+                        plan.push((Arc::clone(slot), op));
+                    }
+                    if let Some((_, op)) = plan.last_mut() {
+                        op.force = owed;
+                    }
+                }
+                !idle || slot.tokens.load(Ordering::Acquire) > 0 || owed > 0
             });
         }
     }
@@ -597,6 +664,7 @@ impl GlobalRule {
             // The return did not reach Redis: keep the tokens (they were taken legitimately).
             None => {
                 slot.tokens.fetch_add(op.give_back, Ordering::AcqRel);
+                slot.debt.fetch_add(op.force, Ordering::AcqRel);
             }
         }
         slot.topping_up.store(false, Ordering::Release);

@@ -139,6 +139,22 @@ impl GlobalMetrics {
     }
 }
 
+/// Asks Redis whether it is back when the round has nothing else to send. The sync is the
+/// breaker's probe, but with membership from the controller (no heartbeats) and no key holding
+/// a lease (fail-closed keys get none while Redis is away) a round sends nothing, and without
+/// this the breaker would never close again: seen on the real node as 503s that outlived the
+/// outage.
+async fn probe(runtime: &GlobalRuntime) {
+    match runtime.store.ping(runtime.settings.sync_timeout).await {
+        Ok(()) => runtime.store.breaker.success(),
+        Err(e) => {
+            runtime.store.breaker.failure();
+            runtime.metrics.redis_error(e.kind());
+            tracing::debug!(error = %e, "redis probe failed");
+        }
+    }
+}
+
 /// Membership settings.
 #[derive(Clone, Debug)]
 pub struct Membership {
@@ -234,6 +250,10 @@ pub async fn sync_loop(shared: Arc<Shared>, runtime: Arc<GlobalRuntime>, members
             .leased_keys
             .set(globals.iter().map(|(g, _)| g.leased_keys() as i64).sum());
         let ops: Vec<store::LeaseOp> = plan.iter().map(|(_, op)| op.clone()).collect();
+        if open && ops.is_empty() && heartbeat_policies.is_empty() {
+            probe(&runtime).await;
+            continue;
+        }
         let heartbeat = async {
             if heartbeat_policies.is_empty() {
                 return None;

@@ -311,6 +311,8 @@ pub struct LeaseOp {
     pub give_back: u64,
     pub back_window: u64,
     pub all_or_nothing: bool,
+    /// Tokens owed (costs settled at the response beyond what was held), taken even into debt.
+    pub force: u64,
 }
 
 /// What the script answered.
@@ -439,7 +441,26 @@ struct Connector {
     reported: parking_lot::Mutex<Option<String>>,
     /// Failed attempts are counted here (callers that stop waiting only see a timeout).
     metrics: std::sync::OnceLock<super::GlobalMetrics>,
+    /// Calls that timed out since the last one that succeeded; see [`Store::after_error`].
+    timeouts_in_a_row: AtomicU32,
+    /// When a call last succeeded (on `clock`).
+    last_success: AtomicU64,
+    clock: MonotonicClock,
 }
+
+/// A connection is taken for dead, dropped and made again, after this many timeouts in a row
+/// spanning at least [`SILENCE_BEFORE_RECONNECT`] without a single success. A Redis pod that is
+/// replaced behind a Service leaves its connections silent (no RST reaches the client: the
+/// pod's network is gone), and the multiplexed connection only reconnects on errors it sees,
+/// never on a caller's timeout, so without this every call would time out until the kernel
+/// gives up on the socket, many minutes later. Both conditions: request-path calls have a
+/// budget of a few milliseconds and time out on a busy but healthy Redis, while the background
+/// sync (every 250 ms, 100 ms budget) succeeds then.
+const TIMEOUTS_BEFORE_RECONNECT: u32 = 3;
+const SILENCE_BEFORE_RECONNECT: Duration = Duration::from_secs(1);
+/// Timeouts of calls given at least this long count towards a reconnect (the background sync's
+/// 100 ms does; a request's 5 ms does not).
+const GENEROUS_BUDGET: Duration = Duration::from_millis(50);
 
 impl Connector {
     async fn attempt(self: Arc<Self>) {
@@ -449,6 +470,10 @@ impl Connector {
         };
         match result {
             Ok(conn) => {
+                // Silence is counted from the connection's birth, not from the last success
+                // of the one it replaces (or from start-up).
+                self.last_success.store(self.clock.now(), Ordering::Release);
+                self.timeouts_in_a_row.store(0, Ordering::Release);
                 self.conn.store(Some(Arc::new(conn)));
                 *self.last_error.lock() = None;
                 *self.reported.lock() = None;
@@ -530,6 +555,9 @@ impl Store {
                 last_error: parking_lot::Mutex::new(None),
                 reported: parking_lot::Mutex::new(None),
                 metrics: std::sync::OnceLock::new(),
+                timeouts_in_a_row: AtomicU32::new(0),
+                last_success: AtomicU64::new(0),
+                clock: MonotonicClock::new(),
             }),
             lease: redis::Script::new(LEASE_LUA),
             members: redis::Script::new(MEMBERS_LUA),
@@ -596,9 +624,53 @@ impl Store {
         if e.is_auth() {
             self.connector.conn.store(None);
         }
+        if e.kind() == "connection" {
+            // A broken single-node connection is made again by our own connect task, which
+            // runs to completion whatever the caller's budget; left to the connection
+            // manager, a reconnect that failed while the Service had no endpoints was never
+            // retried on the real node. The cluster client re-routes broken shards itself.
+            let c = &self.connector;
+            let single = c
+                .conn
+                .load()
+                .as_deref()
+                .is_some_and(|c| matches!(c, Conn::Single(_)));
+            if single && c.conn.swap(None).is_some() {
+                tracing::info!(redis = %c.options.redacted(), error = %e, "redis connection broken; connecting again");
+            }
+        }
+        // Only calls with a budget a healthy Redis always meets count: request-path calls (a
+        // few ms) time out on a merely busy machine.
+        if matches!(e, StoreError::Timeout(budget) if *budget >= GENEROUS_BUDGET) {
+            let c = &self.connector;
+            let n = c.timeouts_in_a_row.fetch_add(1, Ordering::AcqRel) + 1;
+            let silent_for = c
+                .clock
+                .now()
+                .saturating_sub(c.last_success.load(Ordering::Acquire));
+            if n >= TIMEOUTS_BEFORE_RECONNECT
+                && silent_for >= SILENCE_BEFORE_RECONNECT.as_nanos() as Nanos
+                && c.conn.swap(None).is_some()
+            {
+                c.timeouts_in_a_row.store(0, Ordering::Release);
+                tracing::warn!(
+                    redis = %c.options.redacted(),
+                    timeouts = n,
+                    "redis stopped answering on its connection; connecting again"
+                );
+            }
+        }
         if !matches!(e, StoreError::Timeout(_) | StoreError::BreakerOpen) {
             *self.connector.last_error.lock() = Some(e.clone());
         }
+    }
+
+    /// A call succeeded: the connection answers.
+    fn after_success(&self) {
+        let c = &self.connector;
+        c.timeouts_in_a_row.store(0, Ordering::Release);
+        c.last_success.store(c.clock.now(), Ordering::Release);
+        *self.connector.last_error.lock() = None;
     }
 
     /// The last error other than a timeout, since the last successful call (no secrets: Redis
@@ -628,7 +700,8 @@ impl Store {
             .arg(op.want)
             .arg(op.give_back)
             .arg(op.back_window)
-            .arg(if op.all_or_nothing { 1 } else { 0 });
+            .arg(if op.all_or_nothing { 1 } else { 0 })
+            .arg(op.force);
         inv
     }
 
@@ -650,7 +723,7 @@ impl Store {
         match &result {
             Ok(_) => {
                 self.breaker.success();
-                *self.connector.last_error.lock() = None;
+                self.after_success();
             }
             Err(e) => {
                 self.after_error(e);
@@ -702,6 +775,27 @@ impl Store {
         Ok(pipe.query_async(conn).await?)
     }
 
+    /// `PING`, bounded by `timeout`: whether Redis answers at all.
+    pub async fn ping(&self, timeout: Duration) -> Result<(), StoreError> {
+        let fut = async {
+            let cmd = redis::cmd("PING");
+            let _: redis::Value = match self.conn().await? {
+                Conn::Single(mut c) => cmd.query_async(&mut c).await?,
+                Conn::Cluster(mut c) => cmd.query_async(&mut c).await?,
+            };
+            Ok::<(), StoreError>(())
+        };
+        let result = match tokio::time::timeout(timeout, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Timeout(timeout)),
+        };
+        match &result {
+            Ok(()) => self.after_success(),
+            Err(e) => self.after_error(e),
+        }
+        result
+    }
+
     /// Registers (or deregisters) this sidecar for each policy and returns the live counts.
     pub async fn heartbeat(
         &self,
@@ -735,8 +829,9 @@ impl Store {
             Ok(r) => r,
             Err(_) => Err(StoreError::Timeout(timeout)),
         };
-        if let Err(e) = &result {
-            self.after_error(e);
+        match &result {
+            Ok(_) => self.after_success(),
+            Err(e) => self.after_error(e),
         }
         result
     }

@@ -29,7 +29,7 @@ use tokio::sync::watch;
 
 mod relay;
 #[allow(unused_imports)] // Only the tests of global rules use them.
-pub use relay::delaying_relay;
+pub use relay::{Replaceable, delaying_relay};
 #[allow(unused_imports)]
 pub use tollgate_testkit::{Redis, free_port};
 
@@ -302,6 +302,18 @@ impl Sidecar {
     }
 
     /// The text of `/metrics` on the admin port.
+    /// An admin endpoint's JSON (`/debug/rules`, `/debug/stream`, ...).
+    pub async fn admin_json(&self, client: &reqwest::Client, path: &str) -> serde_json::Value {
+        let resp = client
+            .get(self.admin_url(path))
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"));
+        resp.json()
+            .await
+            .unwrap_or_else(|e| panic!("{path}: not JSON: {e}"))
+    }
+
     pub async fn metrics(&self, client: &reqwest::Client) -> String {
         let resp = client
             .get(self.admin_url("/metrics"))
@@ -551,6 +563,7 @@ pub struct UpstreamState {
 /// - `/hold`: answers 200 once the test calls [`Upstream::release`].
 /// - `/download?bytes=N`: streams N bytes in 64 KiB chunks.
 /// - `/upload`: consumes the request body chunk by chunk and answers with its length.
+/// - `/respond?status=N&tokens=N` (also `/login`): answers with that status and `x-tokens: N`.
 /// - `/ws`: WebSocket echo.
 /// - anything else: 200 `ok`, echoing what it saw in `x-upstream-xff` (the X-Forwarded-For
 ///   it received) and `x-upstream-path`.
@@ -664,6 +677,20 @@ async fn upstream_handle(st: Arc<UpstreamState>, req: Request<Incoming>) -> Resp
             let ms = query_u64(&req, "ms").unwrap_or(1000);
             tokio::time::sleep(Duration::from_millis(ms)).await;
             Response::new(full("slow ok"))
+        }
+        "/respond" | "/login" => {
+            // `?status=N&tokens=N`: that status, and the cost in `x-tokens` when given.
+            let mut resp = Response::new(full("responded"));
+            if let Some(s) =
+                query_u64(&req, "status").and_then(|s| StatusCode::from_u16(s as u16).ok())
+            {
+                *resp.status_mut() = s;
+            }
+            if let Some(t) = query_u64(&req, "tokens") {
+                resp.headers_mut()
+                    .insert("x-tokens", http::HeaderValue::from(t));
+            }
+            resp
         }
         "/hold" => {
             let _guard = InFlight::new(&st);
@@ -788,4 +815,111 @@ pub async fn closed_port() -> SocketAddr {
     let addr = l.local_addr().expect("addr");
     drop(l);
     addr
+}
+
+/// A TLS server config for tests: a new CA `ca_name` in `dir` issues the certificate `leaf`
+/// (common name `cn`, extension lines `ext` as for `openssl x509 -extfile`). Returns the
+/// acceptor and the CA certificate's path for the client to trust.
+pub fn tls_acceptor(
+    dir: &Path,
+    ca_name: &str,
+    leaf: &str,
+    cn: &str,
+    ext: &str,
+) -> (tokio_rustls::TlsAcceptor, PathBuf) {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let ca = tollgate_testkit::pki::Ca::new(dir, ca_name, &format!("{ca_name}-ca"));
+    ca.issue(leaf, cn, ext);
+    let certs = CertificateDer::pem_file_iter(dir.join(format!("{leaf}.crt")))
+        .expect("leaf certificate")
+        .collect::<Result<Vec<_>, _>>()
+        .expect("leaf certificate PEM");
+    let key = PrivateKeyDer::from_pem_file(dir.join(format!("{leaf}.key"))).expect("leaf key");
+    let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("TLS versions")
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .expect("server certificate");
+    (
+        tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config)),
+        ca.crt(),
+    )
+}
+
+/// One member of a `RateLimit-Policy` or `RateLimit` list, parsed by a structured-field
+/// parser (RFC 9651): the policy name (an sf-string) and its parameters.
+#[derive(Debug, Clone)]
+pub struct SfItem {
+    pub name: String,
+    pub params: Vec<(String, sfv::BareItem)>,
+}
+
+impl SfItem {
+    /// The parameter as an sf-integer; panics (the test fails) if it has another type.
+    pub fn int(&self, key: &str) -> Option<i64> {
+        self.params
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| match v {
+                sfv::BareItem::Integer(i) => i64::from(*i),
+                other => panic!(
+                    "{}: parameter {key} is not an integer: {other:?}",
+                    self.name
+                ),
+            })
+    }
+
+    pub fn has(&self, key: &str) -> bool {
+        self.params.iter().any(|(k, _)| k == key)
+    }
+}
+
+/// Parses every line of the field `name` as one sf-list (lines join with ", ", RFC 9110
+/// §5.3), failing the test on a syntax error or a member that is not a string item.
+pub fn sf_list(headers: &http::HeaderMap, name: &str) -> Vec<SfItem> {
+    let joined = headers
+        .get_all(name)
+        .iter()
+        .map(|v| v.to_str().expect("ascii field"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let list: sfv::List = sfv::Parser::new(&joined)
+        .parse()
+        .unwrap_or_else(|e| panic!("{name}: {joined:?} is not an sf-list: {e}"));
+    list.into_iter()
+        .map(|entry| match entry {
+            sfv::ListEntry::Item(item) => SfItem {
+                name: match item.bare_item {
+                    sfv::BareItem::String(s) => s.as_str().to_string(),
+                    other => panic!("{name}: member {other:?} is not an sf-string"),
+                },
+                params: item
+                    .params
+                    .into_iter()
+                    .map(|(k, v)| (k.as_str().to_string(), v))
+                    .collect(),
+            },
+            sfv::ListEntry::InnerList(l) => panic!("{name}: inner list {l:?}"),
+        })
+        .collect()
+}
+
+/// The `RateLimit` item of `rule`, checked against the draft: `r` a required non-negative
+/// integer, `t` (when present) a non-negative integer, and never `q`.
+pub fn service_limit(headers: &http::HeaderMap, rule: &str) -> (i64, Option<i64>) {
+    let items = sf_list(headers, "ratelimit");
+    let item = items
+        .iter()
+        .find(|i| i.name == rule)
+        .unwrap_or_else(|| panic!("RateLimit lacks {rule}: {items:?}"));
+    assert!(!item.has("q"), "q in RateLimit: {item:?}");
+    let r = item.int("r").expect("r is required");
+    assert!(r >= 0, "{item:?}");
+    let t = item.int("t");
+    assert!(t.is_none_or(|t| t >= 0), "{item:?}");
+    (r, t)
 }
