@@ -26,7 +26,7 @@ t0=$SECONDS
 if "$HERE/up.sh" "$RUN"; then
   log "node up in $((SECONDS - t0))s; tests/node"
   # shellcheck disable=SC2086
-  "$HERE/exec.sh" "$RUN" python3 -m pytest -p no:cacheprovider -v -x "$ROOT/tests/node" ${PYTEST_ARGS:-} || status=1
+  "$HERE/exec.sh" "$RUN" python3 -m pytest -p no:cacheprovider -v -s -x "$ROOT/tests/node" ${PYTEST_ARGS:-} || status=1
 else
   status=1
 fi
