@@ -167,7 +167,7 @@ def test_cluster_dns_resolves_services_from_a_pod():
     assert service_ip(APP_NS, APP) in out, out
 
 
-def stray_sidecar(name, controller):
+def stray_sidecar(name, controller, *extra):
     """A sidecar run by hand in the unlabelled default namespace, streaming from `controller`."""
     return json.dumps({
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
@@ -176,7 +176,7 @@ def stray_sidecar(name, controller):
             "imagePullPolicy": "Never",
             "args": ["--controller", controller, "--pod-name", name, "--pod-namespace", "default",
                      "--token-file", "/var/run/secrets/tollgate/token", "--upstream", "http://127.0.0.1:8080",
-                     "--listen", "127.0.0.1:8081", "--admin", "0.0.0.0:9091"],
+                     "--listen", "127.0.0.1:8081", "--admin", "0.0.0.0:9091", *extra],
             "readinessProbe": {"httpGet": {"path": "/readyz", "port": 9091}, "periodSeconds": 2},
             "volumeMounts": [{"name": "token", "mountPath": "/var/run/secrets/tollgate", "readOnly": True}]}],
             "volumes": [{"name": "token", "projected": {"sources": [
@@ -184,7 +184,7 @@ def stray_sidecar(name, controller):
 
 
 def test_a_sidecar_without_its_stream_says_why():
-    apply(stray_sidecar("stray", "https://tollgate-controller.nowhere.svc:8443"))
+    apply(stray_sidecar("stray", "https://tollgate-controller.nowhere.svc:8443", "--without-rules=unready"))
     ip = eventually("stray pod running", lambda: kjson("get", "pod", "-n", "default", "stray")["status"].get("podIP"))
     body = eventually("the readiness body names the cause", lambda: (lambda r: r[0] == 503 and b"rule stream:" in r[2] and r[2])(
         get(ip, 9091, "/readyz")), timeout=60).decode()
@@ -204,6 +204,33 @@ def test_a_sidecar_without_its_stream_says_why():
     assert "rule stream unavailable" in logs and "dns error" in logs, logs
     assert not ready(kjson("get", "pod", "-n", "default", "stray"))
     kubectl("delete", "pod", "-n", "default", "stray", "--wait=false")
+
+
+def metric(ip, name):
+    """The value of an unlabelled sample on a sidecar's /metrics (admin port), or None."""
+    status, _, body = get(ip, 9091, "/metrics")
+    assert status == 200, status
+    for line in body.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def test_a_new_pod_without_its_stream_passes_through_after_the_wait():
+    """The default --without-rules=pass-through: a controller outage must not block a rollout."""
+    apply(stray_sidecar("stray-pass", "https://tollgate-controller.nowhere.svc:8443", "--rules-wait=3s"))
+    started = time.monotonic()
+    eventually("the pod turns Ready without rules", lambda: ready(kjson("get", "pod", "-n", "default", "stray-pass")),
+               timeout=60, every=0.2)
+    took = time.monotonic() - started
+    ip = kjson("get", "pod", "-n", "default", "stray-pass")["status"]["podIP"]
+    assert metric(ip, "tollgate_rules_passthrough") == 1, get(ip, 9091, "/metrics")[2]
+    assert metric(ip, "tollgate_rules_loaded") == 0
+    logs = kubectl("logs", "-n", "default", "stray-pass").stdout
+    assert "without limits until rules arrive" in logs, logs
+    print(f"MEASURE new pod without a controller: Ready (pass-through) {took:.1f}s after apply with --rules-wait=3s")
+    assert took >= 3, took
+    kubectl("delete", "pod", "-n", "default", "stray-pass", "--wait=false")
 
 
 def ready_after(manifest, name):
@@ -597,6 +624,36 @@ def test_uninstall_leaves_only_what_the_docs_say():
     for kind in ["clusterrole", "clusterrolebinding", "mutatingwebhookconfiguration", "validatingwebhookconfiguration"]:
         out = kubectl("get", kind, "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "name").stdout.strip()
         assert not out, out
+
+
+def test_a_sidecar_restarted_while_the_controller_is_gone_enforces_its_cached_rules():
+    """The controller is uninstalled (previous test); a sidecar that restarts now finds the rules
+    it last received in its emptyDir cache, turns Ready and limits again."""
+    pod = min(pods(APP_NS, f"app={APP}"), key=lambda p: sidecar_status(p)["restartCount"])
+    name, ip = pod["metadata"]["name"], pod["status"]["podIP"]
+    restarts = sidecar_status(pod)["restartCount"]
+    cid = sidecar_status(pod)["containerID"].split("://", 1)[1]
+    run("ctr", "--address", "/run/containerd/containerd.sock", "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", cid)
+    killed = time.monotonic()
+    eventually("the sidecar restarted", lambda: sidecar_status(kjson("get", "pod", "-n", APP_NS, name))["restartCount"] > restarts,
+               timeout=60, every=0.2)
+    eventually("it enforces the cached rules", lambda: metric(ip, "tollgate_rules_from_cache") == 1, timeout=30, every=0.1)
+    back = time.monotonic() - killed
+    assert metric(ip, "tollgate_rules_loaded") > 0
+    assert metric(ip, "tollgate_rules_passthrough") == 0
+    # The membership cached with the rules keeps the fail-open share (Redis went with the chart)
+    # at limit / pods instead of the whole limit per pod.
+    live = eventually("the cached membership is in force", lambda: [
+        float(line.split()[-1]) for line in get(ip, 9091, "/metrics")[2].decode().splitlines()
+        if line.startswith("tollgate_live_sidecars{") and "shop-api-keys" in line and float(line.split()[-1]) > 1], timeout=10)
+    eventually("the pod is Ready again", lambda: ready(kjson("get", "pod", "-n", APP_NS, name)), timeout=30)
+    # The per-API-key rule (burst 21) limits a fresh key on this pod alone.
+    statuses = [get(ip, 8081, "/", headers={"x-api-key": "after-cache-restart"})[0] for _ in range(40)]
+    assert statuses.count(200) >= 5 and 429 in statuses, statuses
+    logs = kubectl("logs", "-n", APP_NS, name, "-c", "tollgate-sidecar").stdout
+    assert "enforcing the rules this pod last received" in logs, logs
+    print(f"MEASURE sidecar restarted without a controller: cached rules in force {back:.2f}s after SIGKILL, "
+          f"live sidecars {live[0]:.0f}, {statuses.count(200)} of 40 admitted for a fresh key")
 
 
 def sidecar_restarts():

@@ -243,7 +243,7 @@ fn pod_with_init_containers_volumes_and_annotations() {
         .iter()
         .map(|v| v.name.as_str())
         .collect();
-    assert_eq!(vols, ["config", "tollgate-token"]);
+    assert_eq!(vols, ["config", "tollgate-token", "tollgate-rules-cache"]);
     let ann = pod.metadata.annotations.as_ref().unwrap();
     assert_eq!(ann["example.com/owner"], "team-a");
     assert_eq!(ann["tollgate.dev/sidecar-version"], "0.1.0");

@@ -62,6 +62,12 @@ pub async fn run(
             token_file: args.token_file.clone(),
             idle_timeout: args.controller_idle_timeout,
             ca: controller_ca(&args)?,
+            cache: args
+                .rules_cache
+                .clone()
+                .map(|p| crate::rules_cache::RulesCache::new(p, url)),
+            rules_wait: args.rules_wait,
+            without_rules: args.without_rules,
         }),
         _ => anyhow::bail!(
             "give exactly one rule source: --policies FILE_OR_DIR (standalone) or --controller URL"

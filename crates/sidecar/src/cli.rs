@@ -161,6 +161,23 @@ pub struct RunArgs {
     #[arg(long, env = "TOLLGATE_CONTROLLER_IDLE_TIMEOUT", default_value = "15s", value_parser = parse_duration)]
     pub controller_idle_timeout: Duration,
 
+    /// File keeping the last good rule set from the controller (the injection webhook mounts an
+    /// `emptyDir` here). A sidecar that starts while the controller is unreachable enforces it
+    /// instead of staying unready; written atomically, checked on read.
+    #[arg(long, env = "TOLLGATE_RULES_CACHE", requires = "controller")]
+    pub rules_cache: Option<PathBuf>,
+
+    /// How long a sidecar that has no rules (none streamed, no usable cache) waits for the
+    /// controller before `--without-rules` applies.
+    #[arg(long, env = "TOLLGATE_RULES_WAIT", default_value = "30s", value_parser = parse_duration)]
+    pub rules_wait: Duration,
+
+    /// What a sidecar without rules does once `--rules-wait` is over: `pass-through` turns ready
+    /// and forwards every request unlimited (reported by `tollgate_rules_passthrough` and a log
+    /// line) so a controller outage cannot block a rollout; `unready` stays unready.
+    #[arg(long, env = "TOLLGATE_WITHOUT_RULES", value_enum, default_value_t = WithoutRules::PassThrough)]
+    pub without_rules: WithoutRules,
+
     /// Redis for global limits (`redis://host:port`, `rediss://` for TLS). Without it,
     /// `scope: Global` rules are enforced per sidecar. A `user:password@` in the URL works, but
     /// --redis-password-file keeps the password off the command line; the URL is only ever
@@ -251,6 +268,15 @@ pub struct RunArgs {
     /// Log filter, e.g. `info` or `info,tollgate::audit=off` (RUST_LOG syntax).
     #[arg(long, env = "TOLLGATE_LOG", default_value = "info")]
     pub log: String,
+}
+
+/// Start-up mode of a sidecar that has no rules after `--rules-wait`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WithoutRules {
+    /// Ready, every request forwarded without limits.
+    PassThrough,
+    /// Not ready until rules arrive.
+    Unready,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

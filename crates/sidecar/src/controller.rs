@@ -3,8 +3,9 @@
 //! The sidecar opens `GET /v1/watch` with its projected ServiceAccount token, applies each
 //! snapshot atomically (a request sees the old or the new rule set, never a mix), acknowledges
 //! the version it enforces, and reconnects with jittered exponential backoff when the stream
-//! breaks — enforcing the last-known-good rules meanwhile. Nothing is persisted: a restarted
-//! sidecar waits for its first snapshot before it reports ready.
+//! breaks — enforcing the last-known-good rules meanwhile. With `--rules-cache` the last good
+//! set is also kept on disk, so a sidecar that (re)starts while the controller is unreachable
+//! enforces it; one with no rules at all waits `--rules-wait`, then follows `--without-rules`.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -14,7 +15,9 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tollgate_crd::stream::{Ack, MAX_LINE_BYTES, StreamMessage, parse_line};
 
+use crate::cli::WithoutRules;
 use crate::proxy::Shared;
+use crate::rules_cache::RulesCache;
 
 /// Where and as whom to connect.
 #[derive(Clone, Debug)]
@@ -28,6 +31,81 @@ pub struct ControllerConfig {
     pub idle_timeout: Duration,
     /// CA certificates an `https://` controller must chain to (they replace the system roots).
     pub ca: Option<Vec<reqwest::Certificate>>,
+    /// Where the last good rule set is kept across restarts, if anywhere.
+    pub cache: Option<RulesCache>,
+    /// How long to wait for first rules before `without_rules` applies.
+    pub rules_wait: Duration,
+    pub without_rules: WithoutRules,
+}
+
+/// How a sidecar that has no rules yet gets started when the stream cannot deliver them.
+struct Startup {
+    /// The wait is over (or rules arrived): nothing more to decide.
+    settled: bool,
+    cache_tried: bool,
+    deadline: tokio::time::Instant,
+}
+
+impl Startup {
+    fn new(wait: Duration) -> Startup {
+        Startup {
+            settled: false,
+            cache_tried: false,
+            deadline: tokio::time::Instant::now() + wait,
+        }
+    }
+
+    /// The stream failed before any rules arrived: enforce the cached set, once, if usable.
+    fn try_cache(&mut self, config: &ControllerConfig, shared: &Shared, apply: &dyn Apply) {
+        if self.cache_tried || shared.ready.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
+        self.cache_tried = true;
+        let Some(cache) = &config.cache else {
+            return;
+        };
+        let path = cache.path().display().to_string();
+        match cache.load() {
+            Ok(Some(cached)) => {
+                let (version, age) = (cached.version, cached.age_seconds);
+                match apply.rules(version, cached.policies) {
+                    Ok(()) => {
+                        // The last membership seen keeps fail-open shares near their size.
+                        apply.members(cached.members);
+                        shared.metrics.rules_from_cache.set(1);
+                        self.settled = true;
+                        tracing::warn!(version, age_seconds = age, cache = %path, "controller unreachable: enforcing the rules this pod last received until the stream is back");
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, cache = %path, "cached rules refused")
+                    }
+                }
+            }
+            Ok(None) => tracing::info!(cache = %path, "no cached rules (a new pod)"),
+            Err(e) => tracing::warn!(error = %e, "cached rules not used"),
+        }
+    }
+
+    /// `--rules-wait` is over: if there are still no rules, follow `--without-rules`.
+    fn wait_over(&mut self, config: &ControllerConfig, shared: &Shared, apply: &dyn Apply) {
+        self.try_cache(config, shared, apply);
+        self.settled = true;
+        if shared.ready.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
+        match config.without_rules {
+            WithoutRules::PassThrough => {
+                shared.metrics.rules_passthrough.set(1);
+                shared
+                    .ready
+                    .store(true, std::sync::atomic::Ordering::Release);
+                tracing::warn!(waited = ?config.rules_wait, controller = %config.url, "no rules from the controller: ready, forwarding every request without limits until rules arrive (--without-rules=pass-through)");
+            }
+            WithoutRules::Unready => {
+                tracing::warn!(waited = ?config.rules_wait, controller = %config.url, "no rules from the controller: staying unready until rules arrive (--without-rules=unready)");
+            }
+        }
+    }
 }
 
 /// What the stream delivers to the rest of the sidecar.
@@ -184,16 +262,27 @@ pub async fn run(
     };
     let mut held: Option<(String, u64)> = None; // (epoch, version)
     let mut backoff = Backoff::new();
+    let mut startup = Startup::new(config.rules_wait);
     loop {
-        let outcome = stream_once(
+        let attempt = stream_once(
             &client,
             &config,
             &shared,
             apply.as_ref(),
             &mut held,
             &health,
-        )
-        .await;
+        );
+        tokio::pin!(attempt);
+        // The wait for first rules runs beside the attempt (a connect may hang for long).
+        let outcome = loop {
+            tokio::select! {
+                r = &mut attempt => break r,
+                () = tokio::time::sleep_until(startup.deadline), if !startup.settled => {
+                    startup.wait_over(&config, &shared, apply.as_ref());
+                }
+            }
+        };
+        startup.try_cache(&config, &shared, apply.as_ref());
         let e = match outcome {
             Ok(()) => "stream ended".to_string(),
             Err(e) => e,
@@ -287,12 +376,22 @@ async fn stream_once(
                         tracing::warn!(version, held = *held_version, "ignoring an older snapshot");
                         continue;
                     }
+                    let to_save = config
+                        .cache
+                        .as_ref()
+                        .map(|c| (c.clone(), policies.clone(), members.clone()));
                     match apply.rules(version, policies) {
                         Ok(()) => {
+                            shared.metrics.rules_from_cache.set(0);
+                            shared.metrics.rules_passthrough.set(0);
                             apply.members(members);
                             shared.metrics.controller_version.set(version as i64);
                             ack(client, config, &new_epoch, version).await;
                             *held = Some((new_epoch, version));
+                            // After the ack: the file sync must not delay propagation.
+                            if let Some((cache, policies, members)) = to_save {
+                                save(cache, version, policies, members).await;
+                            }
                         }
                         Err(e) => {
                             // Keep the rules in force; the controller's status shows the policy.
@@ -308,6 +407,24 @@ async fn stream_once(
         if buf.len() > MAX_LINE_BYTES {
             return Err(format!("stream line longer than {MAX_LINE_BYTES} bytes"));
         }
+    }
+}
+
+/// Keeps an applied snapshot on disk (off the async workers: it syncs the file). A failure
+/// only costs the next start-up without the controller; it is logged, not fatal.
+async fn save(
+    cache: RulesCache,
+    version: u64,
+    policies: Vec<tollgate_crd::CompiledPolicy>,
+    members: BTreeMap<String, u32>,
+) {
+    let path = cache.path().display().to_string();
+    let result =
+        tokio::task::spawn_blocking(move || cache.save(version, &policies, &members)).await;
+    match result {
+        Ok(Ok(())) => tracing::debug!(version, cache = %path, "rules cached"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "cannot cache the rules"),
+        Err(e) => tracing::warn!(error = %e, "cannot cache the rules"),
     }
 }
 

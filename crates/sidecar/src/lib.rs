@@ -16,6 +16,7 @@ pub mod proxy;
 pub mod replay;
 pub mod response;
 pub mod rules;
+pub mod rules_cache;
 pub mod telemetry;
 pub mod topkeys;
 pub mod upstream;

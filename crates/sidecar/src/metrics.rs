@@ -40,6 +40,8 @@ pub struct Metrics {
     pub local_fallback_rules: Gauge,
     pub controller_connected: Gauge,
     pub controller_version: Gauge,
+    pub rules_from_cache: Gauge,
+    pub rules_passthrough: Gauge,
     pub global: crate::global::GlobalMetrics,
 }
 
@@ -143,8 +145,22 @@ impl Metrics {
             "Version of the last rule snapshot applied from the controller",
             controller_version.clone(),
         );
+        let rules_from_cache = Gauge::default();
+        registry.register(
+            "rules_from_cache",
+            "1 while the rules in force were read from --rules-cache because the controller was unreachable at start-up",
+            rules_from_cache.clone(),
+        );
+        let rules_passthrough = Gauge::default();
+        registry.register(
+            "rules_passthrough",
+            "1 while the sidecar is ready without any rules (--without-rules=pass-through after --rules-wait): nothing is limited",
+            rules_passthrough.clone(),
+        );
         let global = crate::global::GlobalMetrics::register(&mut registry);
         Metrics {
+            rules_from_cache,
+            rules_passthrough,
             controller_connected,
             controller_version,
             global,

@@ -388,3 +388,146 @@ async fn a_controller_certificate_from_another_ca_is_named_as_such() {
     .await;
     server.abort();
 }
+
+async fn readyz(s: &Sidecar) -> u16 {
+    client()
+        .get(s.admin_url("/readyz"))
+        .send()
+        .await
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_while_the_controller_is_away_starts_from_the_cached_rules() {
+    within(90, async {
+        let upstream = Upstream::start().await;
+        let cache_dir = tempfile::tempdir().unwrap();
+        let cache = cache_dir.path().join("rules.json");
+        let cache_arg = cache.to_string_lossy().to_string();
+        let controller = FakeController::start(0, vec![snapshot(3, 2)]).await;
+        let url = format!("http://127.0.0.1:{}", controller.port);
+        let args = ["--rules-cache", cache_arg.as_str(), "--rules-wait", "60s"];
+        let (first, _t1) = stream_sidecar(&upstream, &url, "test-token", &args).await;
+        poll_until(Duration::from_secs(10), "rules cached", || async {
+            cache.exists().then_some(())
+        })
+        .await;
+        drop(first);
+        controller.stop();
+
+        // Same pod, controller away: ready from the cache well before --rules-wait, enforcing.
+        let started = std::time::Instant::now();
+        let (s, _t2) = stream_sidecar(&upstream, &url, "test-token", &args).await;
+        poll_until(Duration::from_secs(10), "ready from the cache", || async {
+            (readyz(&s).await == 200).then_some(())
+        })
+        .await;
+        eprintln!("ready from the cache {:?} after start", started.elapsed());
+        assert_eq!(admitted(&s, "a", 4).await, 2, "the cached limit holds");
+        let m = s.metrics(&client()).await;
+        assert_eq!(
+            metric(&m, "tollgate_rules_from_cache", &[]),
+            Some(1.0),
+            "{m}"
+        );
+        assert_eq!(metric(&m, "tollgate_rules_version", &[]), Some(3.0), "{m}");
+        assert!(
+            s.logs()
+                .iter()
+                .any(|l| l.contains("enforcing the rules this pod last received")),
+            "{:?}",
+            s.logs()
+        );
+
+        // A torn cache is refused with a reason, and the sidecar waits for the stream instead.
+        drop(s);
+        let text = std::fs::read(&cache).unwrap();
+        std::fs::write(&cache, &text[..text.len() / 2]).unwrap();
+        let (torn, _t3) = stream_sidecar(&upstream, &url, "test-token", &args).await;
+        poll_until(
+            Duration::from_secs(10),
+            "the torn cache refused",
+            || async {
+                torn.logs()
+                    .iter()
+                    .any(|l| l.contains("cached rules not used") && l.contains("not a rule cache"))
+                    .then_some(())
+            },
+        )
+        .await;
+        assert_eq!(readyz(&torn).await, 503);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_pod_without_rules_passes_through_after_the_wait_or_stays_unready() {
+    within(60, async {
+        let upstream = Upstream::start().await;
+        // Nothing listens there: the controller is down.
+        let url = format!("http://127.0.0.1:{}", free_port());
+        let cache_dir = tempfile::tempdir().unwrap();
+        let cache = cache_dir.path().join("rules.json");
+        let cache_arg = cache.to_string_lossy().to_string();
+        let (s, _t) = stream_sidecar(
+            &upstream,
+            &url,
+            "test-token",
+            &["--rules-cache", &cache_arg, "--rules-wait", "2s"],
+        )
+        .await;
+        let (unready, _t2) = stream_sidecar(
+            &upstream,
+            &url,
+            "test-token",
+            &["--rules-wait", "2s", "--without-rules", "unready"],
+        )
+        .await;
+        assert_eq!(readyz(&s).await, 503, "waiting for rules");
+        let started = std::time::Instant::now();
+        poll_until(Duration::from_secs(10), "ready without rules", || async {
+            (readyz(&s).await == 200).then_some(())
+        })
+        .await;
+        assert!(
+            started.elapsed() >= Duration::from_millis(1000),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(admitted(&s, "a", 20).await, 20, "nothing is limited");
+        let m = s.metrics(&client()).await;
+        assert_eq!(
+            metric(&m, "tollgate_rules_passthrough", &[]),
+            Some(1.0),
+            "{m}"
+        );
+        assert!(
+            s.logs()
+                .iter()
+                .any(|l| l.contains("no cached rules (a new pod)"))
+        );
+        assert!(
+            s.logs()
+                .iter()
+                .any(|l| l.contains("--without-rules=pass-through"))
+        );
+
+        // The other mode: still unready after the wait.
+        poll_until(
+            Duration::from_secs(10),
+            "the unready one gives up waiting",
+            || async {
+                unready
+                    .logs()
+                    .iter()
+                    .any(|l| l.contains("--without-rules=unready"))
+                    .then_some(())
+            },
+        )
+        .await;
+        assert_eq!(readyz(&unready).await, 503);
+        assert!(!cache.exists(), "nothing to cache without rules");
+    })
+    .await;
+}

@@ -6,7 +6,8 @@
 //!                                        └────▶ Plan{upstream, rewrite} → patch():
 //!     /metadata/annotations/tollgate.dev~1sidecar-version
 //!     /spec/initContainers/-      tollgate-sidecar, restartPolicy: Always (native sidecar)
-//!     /spec/volumes/-             tollgate-token (projected ServiceAccount token)
+//!     /spec/volumes/-             tollgate-token (projected ServiceAccount token),
+//!                                 tollgate-rules-cache (emptyDir for the last good rules)
 //!     /spec/containers/i/ports/j/name (+ probes)   only with tollgate.dev/rewrite-port
 //! ```
 
@@ -16,11 +17,12 @@ use std::fmt;
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation, ReplaceOperation, TestOperation};
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EnvVar, EnvVarSource,
-    HTTPGetAction, KeyToPath, ObjectFieldSelector, Pod, Probe, ProjectedVolumeSource,
+    Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
+    EnvVarSource, HTTPGetAction, KeyToPath, ObjectFieldSelector, Pod, Probe, ProjectedVolumeSource,
     ResourceRequirements, SeccompProfile, SecretVolumeSource, SecurityContext,
     ServiceAccountTokenProjection, Volume, VolumeMount, VolumeProjection,
 };
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde_json::Value;
 
@@ -42,6 +44,10 @@ pub const DISABLED: &str = "disabled";
 
 /// Name of the injected container.
 pub const SIDECAR_NAME: &str = "tollgate-sidecar";
+/// Name of the `emptyDir` keeping the sidecar's last good rules across container restarts.
+pub const RULES_CACHE_VOLUME: &str = "tollgate-rules-cache";
+/// Where the rules cache volume is mounted.
+pub const RULES_CACHE_DIR: &str = "/var/run/tollgate/cache";
 /// Name of the projected token volume.
 pub const TOKEN_VOLUME: &str = "tollgate-token";
 /// Where the token volume is mounted; the sidecar's default `--token-file` is `<dir>/token`.
@@ -610,6 +616,7 @@ pub fn sidecar_container(cfg: &InjectConfig, plan: &Plan) -> Container {
         format!("--admin=0.0.0.0:{}", cfg.admin_port),
         format!("--controller={}", cfg.controller_url),
         format!("--token-file={TOKEN_DIR}/token"),
+        format!("--rules-cache={RULES_CACHE_DIR}/rules.json"),
     ];
     args.extend(cfg.extra_args.iter().cloned());
 
@@ -635,12 +642,19 @@ pub fn sidecar_container(cfg: &InjectConfig, plan: &Plan) -> Container {
             ..Default::default()
         });
     }
-    let mut mounts = vec![VolumeMount {
-        name: TOKEN_VOLUME.to_string(),
-        mount_path: TOKEN_DIR.to_string(),
-        read_only: Some(true),
-        ..Default::default()
-    }];
+    let mut mounts = vec![
+        VolumeMount {
+            name: TOKEN_VOLUME.to_string(),
+            mount_path: TOKEN_DIR.to_string(),
+            read_only: Some(true),
+            ..Default::default()
+        },
+        VolumeMount {
+            name: RULES_CACHE_VOLUME.to_string(),
+            mount_path: RULES_CACHE_DIR.to_string(),
+            ..Default::default()
+        },
+    ];
     if let Some(redis) = &cfg.redis {
         env.extend(redis.env());
         mounts.extend(redis.mounts());
@@ -725,6 +739,19 @@ pub fn token_volume(cfg: &InjectConfig) -> Volume {
                 }),
                 ..Default::default()
             }]),
+        }),
+        ..Default::default()
+    }
+}
+
+/// The sidecar's rules cache: an `emptyDir` outlives container restarts (a sidecar restarted
+/// while the controller is away starts from it), not the pod. A rule set is far below the limit.
+pub fn rules_cache_volume() -> Volume {
+    Volume {
+        name: RULES_CACHE_VOLUME.to_string(),
+        empty_dir: Some(EmptyDirVolumeSource {
+            size_limit: Some(Quantity("16Mi".to_string())),
+            ..Default::default()
         }),
         ..Default::default()
     }
@@ -867,7 +894,7 @@ pub fn patch(raw: &Value, pod: &Pod, cfg: &InjectConfig, plan: &Plan) -> Patch {
             Value::Array(vec![sidecar]),
         ));
     }
-    let mut volumes = vec![token_volume(cfg)];
+    let mut volumes = vec![token_volume(cfg), rules_cache_volume()];
     if let Some(redis) = &cfg.redis {
         volumes.extend(redis.volumes());
     }
