@@ -419,11 +419,11 @@ async fn save(
     members: BTreeMap<String, u32>,
 ) {
     let path = cache.path().display().to_string();
-    let result =
-        tokio::task::spawn_blocking(move || cache.save(version, &policies, &members)).await;
+    let result = tokio::task::spawn_blocking(move || cache.save(version, &policies, &members))
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()));
     match result {
-        Ok(Ok(())) => tracing::debug!(version, cache = %path, "rules cached"),
-        Ok(Err(e)) => tracing::warn!(error = %e, "cannot cache the rules"),
+        Ok(()) => tracing::debug!(version, cache = %path, "rules cached"),
         Err(e) => tracing::warn!(error = %e, "cannot cache the rules"),
     }
 }
