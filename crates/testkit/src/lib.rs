@@ -2,9 +2,11 @@
 //! loopback ports, `redis-server` processes stopped by PID, and a PKI made with the `openssl`
 //! binary. Test support only; never a dependency of a shipped binary.
 
+mod monitor;
 pub mod pki;
 mod redis;
 
+pub use monitor::Monitor;
 pub use redis::Redis;
 
 /// A free TCP port on 127.0.0.1 (the kernel picks it; the listener is closed before return).

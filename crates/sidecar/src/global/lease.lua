@@ -17,7 +17,14 @@
 -- ARGV[9]  1 = all or nothing (strict and cold requests), 0 = grant as many as available
 -- ARGV[10] force: tokens taken unconditionally before the grant, even into debt (costs settled
 --          at the response, beyond what was leased or reserved; may be 0)
--- returns {granted, remaining, reset_ms, retry_after_ms, window}
+-- ARGV[11] ahead: token buckets only, and only when not all or nothing: milliseconds into the
+--          future the grant may reach. A saturated bucket then grants tokens that become
+--          conformant within that horizon, so a sidecar reserves its next interval's tokens in
+--          one call instead of coming back for each refill. The caller spends token k of such a
+--          grant no earlier than `ready_us - (granted - k) * T`: exactly when the bucket itself
+--          would have had it, so reserving ahead never admits a burst above the bucket's own.
+-- returns {granted, remaining, reset_ms, retry_after_ms, window, ready_us}: ready_us is how far
+--          after Redis's now the last granted token becomes conformant (0 when all are now)
 local key, field = KEYS[1], ARGV[1]
 local algo = tonumber(ARGV[2])
 local limit = tonumber(ARGV[3])
@@ -28,6 +35,8 @@ local back = tonumber(ARGV[7])
 local back_window = tonumber(ARGV[8])
 local all_or_nothing = ARGV[9] == '1'
 local force = tonumber(ARGV[10]) or 0
+local ahead_us = (tonumber(ARGV[11]) or 0) * 1000
+if all_or_nothing then ahead_us = 0 end
 
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -39,7 +48,7 @@ local function keep_alive(ms)
 end
 
 local state = redis.call('HGET', key, field)
-local granted, remaining, reset_ms, retry_ms, window = 0, 0, 0, 0, 0
+local granted, remaining, reset_ms, retry_ms, window, ready_us = 0, 0, 0, 0, 0, 0
 
 if algo == 1 then
   -- GCRA: tat is the theoretical arrival time in microseconds; the bucket is full when tat <= now.
@@ -55,11 +64,17 @@ if algo == 1 then
   if force > 0 then tat = tat + force * T end
   local available = math.floor((now_us + tau - tat) / T + 1e-9)
   if available < 0 then available = 0 end
+  -- What the bucket will have had by the end of the horizon (tokens conformant by then).
+  local reachable = math.floor((now_us + ahead_us + tau - tat) / T + 1e-9)
+  if reachable < available then reachable = available end
   if want > 0 then
-    if want <= available then granted = want elseif not all_or_nothing then granted = available end
+    if want <= available then granted = want
+    elseif not all_or_nothing then granted = math.min(want, reachable) end
   end
   tat = tat + granted * T
   remaining = available - granted
+  if remaining < 0 then remaining = 0 end
+  if granted > 0 and tat - tau > now_us then ready_us = math.ceil(tat - tau - now_us) end
   reset_ms = math.ceil((tat - now_us) / 1000)
   if granted < want then
     retry_ms = math.ceil((tat + want * T - now_us - tau) / 1000)
@@ -150,4 +165,4 @@ if now_us % 16 == 0 and redis.call('HLEN', key) > 64 then
   end
 end
 
-return {granted, remaining, reset_ms, retry_ms, window}
+return {granted, remaining, reset_ms, retry_ms, window, ready_us}

@@ -27,6 +27,8 @@ use super::store::{LeaseOp, LeaseReply, Store, StoreError};
 
 const NANOS_PER_MS: Nanos = 1_000_000;
 const SHARDS: usize = 16;
+/// The smallest excess a key returns to Redis before it goes idle (see `plan_slot`).
+const MIN_RETURN: u64 = 8;
 
 /// Settings shared by every global rule.
 pub struct LeaseSettings {
@@ -86,17 +88,191 @@ pub struct Slot {
     /// the key with "empty" because that top-up took the last tokens: they are on their way to
     /// this slot, so the request waits for the sync instead of answering 429.
     topping_up: AtomicBool,
+    /// Demand refused here since the last plan (429s decided locally): a saturated key's
+    /// admitted count is capped by the bucket and says nothing about how much it wants.
+    denied: AtomicU64,
+    /// Redis granted less than the last call asked for: the bucket, not the timing of syncs,
+    /// limits this key, so an early sync would only cost a call.
+    saturated: AtomicBool,
+    /// Tokens granted ahead of their time (see `Pending`).
+    pending: Mutex<Pending>,
+    /// When the next pending token becomes spendable (`u64::MAX` when none is pending), so the
+    /// hot path looks at the pending tokens only when one is due.
+    next_unlock: AtomicU64,
+}
+
+/// Tokens a saturated token bucket granted ahead. Each grant is a run of consecutive places of
+/// the global schedule: `count` tokens, the last conformant at `ready_at`, one every `step`
+/// before it. Runs are kept apart (other sidecars' grants fall between them) and released to
+/// the slot at exactly those times, so a reservation never admits a burst the bucket itself
+/// would not have, nor holds back a token past its time.
+struct Pending {
+    runs: std::collections::VecDeque<Run>,
+    step: Nanos,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Run {
+    count: u64,
+    ready_at: Nanos,
+}
+
+impl Run {
+    fn first_at(&self, step: Nanos) -> Nanos {
+        self.ready_at.saturating_sub((self.count - 1) * step)
+    }
+}
+
+impl Pending {
+    fn new(step: Nanos) -> Pending {
+        Pending {
+            runs: std::collections::VecDeque::new(),
+            step,
+        }
+    }
+
+    fn count(&self) -> u64 {
+        self.runs.iter().map(|r| r.count).sum()
+    }
+
+    /// When the next token is due (`u64::MAX`: none pending).
+    fn next_unlock(&self) -> Nanos {
+        self.runs
+            .front()
+            .map_or(u64::MAX, |r| r.first_at(self.step))
+    }
+
+    /// Adds a grant of `count` tokens ahead, the last due at `ready_at`. Redis's schedule
+    /// only moves forward, so a grant never starts before an earlier one ends; if the
+    /// receive times say otherwise the grant is queued right after the last run, which only
+    /// delays tokens.
+    fn push(&mut self, count: u64, ready_at: Nanos) {
+        let step = self.step;
+        match self.runs.back_mut() {
+            Some(last) if Run { count, ready_at }.first_at(step) <= last.ready_at => {
+                last.count += count;
+                last.ready_at = ready_at.max(last.ready_at + count * step);
+            }
+            _ => self.runs.push_back(Run { count, ready_at }),
+        }
+    }
+
+    /// Removes and returns the tokens due by `now`.
+    fn release(&mut self, now: Nanos) -> u64 {
+        let mut due = 0;
+        while let Some(run) = self.runs.front_mut() {
+            let not_yet = run
+                .ready_at
+                .saturating_sub(now)
+                .div_ceil(self.step)
+                .min(run.count);
+            due += run.count - not_yet;
+            if not_yet > 0 {
+                run.count = not_yet;
+                break;
+            }
+            self.runs.pop_front();
+        }
+        due
+    }
+
+    /// Takes up to `n` tokens from the end of the schedule (the latest ones).
+    fn take_latest(&mut self, n: u64) -> u64 {
+        let mut taken = 0;
+        while taken < n {
+            let Some(run) = self.runs.back_mut() else {
+                break;
+            };
+            let take = run.count.min(n - taken);
+            run.count -= take;
+            run.ready_at = run.ready_at.saturating_sub(take * self.step);
+            taken += take;
+            if run.count == 0 {
+                self.runs.pop_back();
+            }
+        }
+        taken
+    }
+
+    /// When the `need`-th pending token is due, if that many are pending.
+    fn due_at(&self, need: u64) -> Option<Nanos> {
+        let mut before = 0;
+        for run in &self.runs {
+            if before + run.count >= need {
+                return Some(run.first_at(self.step) + (need - before - 1) * self.step);
+            }
+            before += run.count;
+        }
+        None
+    }
 }
 
 impl Slot {
-    /// Takes in a reply of Redis for this key: the bucket's state, a lease valid until
-    /// `valid_until`, and the tokens granted.
-    fn credit(&self, r: &LeaseReply, valid_until: Nanos) {
+    /// Takes in a reply of Redis for this key, received at `now`: the bucket's state, a lease
+    /// valid until `valid_until`, and the tokens granted (those granted ahead become pending).
+    fn credit(&self, r: &LeaseReply, want: u64, now: Nanos, valid_until: Nanos) {
         self.global_remaining.store(r.remaining, Ordering::Relaxed);
         self.reset_ms.store(r.reset_ms, Ordering::Relaxed);
         self.window.store(r.window, Ordering::Relaxed);
         self.valid_until.store(valid_until, Ordering::Release);
-        self.tokens.fetch_add(r.granted, Ordering::AcqRel);
+        if want > 0 {
+            self.saturated.store(r.granted < want, Ordering::Relaxed);
+        }
+        let mut ahead = 0;
+        if r.ready_us > 0 && r.granted > 0 {
+            let mut p = self.pending.lock();
+            let ready_in = r.ready_us.saturating_mul(1000);
+            ahead = ready_in.div_ceil(p.step).min(r.granted);
+            if ahead > 0 {
+                p.push(ahead, now.saturating_add(ready_in));
+                self.next_unlock.store(p.next_unlock(), Ordering::Release);
+            }
+        }
+        self.tokens.fetch_add(r.granted - ahead, Ordering::AcqRel);
+    }
+
+    /// Moves pending tokens that are due by `now` into the spendable allowance.
+    fn release_due(&self, now: Nanos) -> bool {
+        if now < self.next_unlock.load(Ordering::Acquire) {
+            return false;
+        }
+        let mut p = self.pending.lock();
+        let due = p.release(now);
+        self.next_unlock.store(p.next_unlock(), Ordering::Release);
+        drop(p);
+        self.tokens.fetch_add(due, Ordering::AcqRel);
+        due > 0
+    }
+
+    /// Takes up to `n` pending tokens from the end of the schedule (returned to Redis).
+    fn take_pending(&self, n: u64) -> u64 {
+        if self.next_unlock.load(Ordering::Acquire) == u64::MAX {
+            return 0;
+        }
+        let mut p = self.pending.lock();
+        let taken = p.take_latest(n);
+        self.next_unlock.store(p.next_unlock(), Ordering::Release);
+        taken
+    }
+
+    fn pending_count(&self) -> u64 {
+        if self.next_unlock.load(Ordering::Acquire) == u64::MAX {
+            0
+        } else {
+            self.pending.lock().count()
+        }
+    }
+
+    /// When `cost` tokens will be spendable, if the pending ones cover it.
+    fn ready_for(&self, cost: u64) -> Option<Nanos> {
+        if self.next_unlock.load(Ordering::Acquire) == u64::MAX {
+            return None;
+        }
+        let p = self.pending.lock();
+        let need = cost
+            .saturating_sub(self.tokens.load(Ordering::Acquire))
+            .max(1);
+        p.due_at(need)
     }
 }
 
@@ -119,6 +295,8 @@ pub struct GlobalRule {
     burst: u64,
     /// What `remaining` counts down from: burst for token buckets, requests for windows.
     capacity: u64,
+    /// Token buckets: the time one token takes to refill (the GCRA emission interval).
+    step: Nanos,
     strict: bool,
     pub failure_mode: FailureMode,
     shards: Vec<Mutex<HashMap<[u8; 16], Arc<Slot>>>>,
@@ -164,6 +342,9 @@ impl GlobalRule {
             period_ms: rule.limit.period_ms,
             burst: rule.limit.burst,
             capacity,
+            step: (u128::from(rule.limit.period_ms) * u128::from(NANOS_PER_MS)
+                / u128::from(rule.limit.requests.max(1)))
+            .clamp(1, u128::from(u64::MAX / 4)) as Nanos,
             strict: rule.accuracy == Accuracy::Strict,
             failure_mode: rule.failure_mode,
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
@@ -203,9 +384,33 @@ impl GlobalRule {
         }
     }
 
-    /// The most this sidecar may hold for one key: its share of the capacity.
+    /// This sidecar's share of the capacity: its fallback allowance while Redis is away.
     pub fn share(&self) -> u64 {
         (self.capacity / u64::from(self.live_sidecars())).max(1)
+    }
+
+    /// How far ahead syncs plan: tokens must last until the next sync lands, the interval
+    /// plus a few round trips.
+    fn horizon(&self) -> Nanos {
+        self.runtime.settings.sync_interval.as_nanos() as Nanos
+            + 3 * self.runtime.sync_rtt.load(Ordering::Relaxed)
+    }
+
+    /// The most one sidecar asks for a key per call. Windows: its share of the window, as
+    /// the window's whole limit is available at once. Token buckets: what the bucket can give
+    /// through the horizon (a full bucket plus the refill), so a sidecar carrying most of a
+    /// key's traffic keeps up with the refill in one call per interval; Redis grants only what
+    /// is there, so asking for more than the share parks nothing another sidecar could use.
+    fn lease_cap(&self, horizon: Nanos) -> u64 {
+        if self.algorithm != 1 {
+            return self.share();
+        }
+        let refill = (u128::from(horizon) / u128::from(self.step)).min(u128::from(u32::MAX));
+        self.capacity.saturating_add(refill as u64).max(1)
+    }
+
+    fn ahead_ms(horizon: Nanos) -> u64 {
+        horizon.div_ceil(NANOS_PER_MS)
     }
 
     /// The bucket id all sidecars agree on for a counter key (not secret: it only has to be
@@ -229,9 +434,12 @@ impl GlobalRule {
         self.shard(field).lock().get(field).cloned()
     }
 
-    fn slot_or_insert(&self, field: [u8; 16], group: u32, now: Nanos) -> Arc<Slot> {
+    /// The key's slot, and whether it was created now.
+    fn slot_or_insert(&self, field: [u8; 16], group: u32, now: Nanos) -> (Arc<Slot>, bool) {
         let mut shard = self.shard(&field).lock();
-        Arc::clone(shard.entry(field).or_insert_with(|| {
+        let mut new = false;
+        let slot = Arc::clone(shard.entry(field).or_insert_with(|| {
+            new = true;
             Arc::new(Slot {
                 field,
                 group,
@@ -248,8 +456,13 @@ impl GlobalRule {
                 last_plan: AtomicU64::new(now),
                 refill: tokio::sync::Mutex::new(()),
                 topping_up: AtomicBool::new(false),
+                denied: AtomicU64::new(0),
+                saturated: AtomicBool::new(false),
+                pending: Mutex::new(Pending::new(self.step)),
+                next_unlock: AtomicU64::new(u64::MAX),
             })
-        }))
+        }));
+        (slot, new)
     }
 
     /// The hot path: spend from the local lease, or decide by the failure mode while Redis is
@@ -260,11 +473,12 @@ impl GlobalRule {
             if let Some(d) = self.spend(slot, now, cost) {
                 return LocalOutcome::Decided(d);
             }
-            // Over its limit by Redis's last answer: wait for the next top-up (woken now) rather
-            // than ask Redis on every rejected request, which would cost a round trip each and,
-            // with Redis slow, time out and leak the tokens the call took.
+            // Over its limit by Redis's last answer: wait for the next sync rather than ask
+            // Redis on every rejected request, which would cost a round trip each and, with
+            // Redis slow, time out and leak the tokens the call took. Nor is the sync pulled
+            // forward: it reserves through the next interval, so an earlier one only costs.
             if let Some(d) = self.known_exhausted(slot, now, cost) {
-                self.runtime.wake.notify_one();
+                slot.denied.fetch_add(cost, Ordering::Relaxed);
                 return LocalOutcome::Decided(d);
             }
         }
@@ -301,26 +515,29 @@ impl GlobalRule {
     /// still succeed) sent every request above the limit to the failure mode: fail-open admitted
     /// them through the fallback on top of the leases (a second limit's worth), fail-closed
     /// answered 503, and each timed-out call lost the tokens it had taken.
+    ///
+    /// A key with tokens granted ahead (pending) is saturated too: its next tokens are already
+    /// reserved here and arrive on their schedule, which gives the exact retry time.
     fn known_exhausted(&self, slot: &Slot, now: Nanos, cost: u64) -> Option<Decision> {
-        if slot.valid_until.load(Ordering::Acquire) < now
-            || slot.global_remaining.load(Ordering::Relaxed) >= cost
-        {
+        if slot.valid_until.load(Ordering::Acquire) < now {
             return None;
         }
-        // Time for `cost` tokens to refill (token bucket) or for the window to reset; the next
-        // sync tops the lease up from whatever Redis holds by then.
-        let retry_ms = match self.algorithm {
-            1 => cost
-                .saturating_mul(self.period_ms)
-                .div_ceil(self.requests.max(1)),
-            _ => slot.reset_ms.load(Ordering::Relaxed),
+        let retry = match slot.ready_for(cost) {
+            Some(at) => at.saturating_sub(now),
+            None if slot.global_remaining.load(Ordering::Relaxed) >= cost => return None,
+            // Time for `cost` tokens to refill (token bucket) or for the window to reset; the
+            // next sync tops the lease up from whatever Redis holds by then.
+            None => match self.algorithm {
+                1 => cost.saturating_mul(self.step),
+                _ => slot.reset_ms.load(Ordering::Relaxed) * NANOS_PER_MS,
+            },
         };
         Some(Decision {
             allowed: false,
             limit: self.capacity,
             remaining: 0,
             reset: slot.reset_ms.load(Ordering::Relaxed) * NANOS_PER_MS,
-            retry_after: retry_ms.max(1) * NANOS_PER_MS,
+            retry_after: retry.max(NANOS_PER_MS),
             delay: 0,
         })
     }
@@ -330,26 +547,22 @@ impl GlobalRule {
         if slot.valid_until.load(Ordering::Acquire) < now {
             return None;
         }
-        let mut cur = slot.tokens.load(Ordering::Acquire);
-        loop {
-            if cur < cost {
-                return None;
-            }
-            match slot.tokens.compare_exchange_weak(
-                cur,
-                cur - cost,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => break,
-                Err(actual) => cur = actual,
-            }
-        }
+        let left = match take_exactly(&slot.tokens, cost) {
+            Some(left) => left,
+            None if slot.release_due(now) => take_exactly(&slot.tokens, cost)?,
+            None => return None,
+        };
         slot.spent.fetch_add(cost, Ordering::Relaxed);
         slot.last_used.store(now, Ordering::Relaxed);
-        let left = cur - cost;
-        // Low watermark: ask the sync task for a top-up before this key runs dry.
-        if left * 4 < slot.target.load(Ordering::Relaxed) {
+        // Low watermark: ask the sync task for a top-up before this key runs dry, unless the
+        // key shows no recurring demand (target 1), the bucket is what limits it (an earlier
+        // sync would find nothing more) or tokens are already reserved for the interval.
+        let target = slot.target.load(Ordering::Relaxed);
+        if left * 4 < target
+            && target > 1
+            && !slot.saturated.load(Ordering::Relaxed)
+            && slot.next_unlock.load(Ordering::Relaxed) == u64::MAX
+        {
             self.runtime.wake.notify_one();
         }
         Some(Decision {
@@ -377,10 +590,19 @@ impl GlobalRule {
                 Err(_) => self.degraded(None, key, now, cost),
             };
         }
-        let slot = self.slot_or_insert(field, group, now);
+        let (slot, new) = self.slot_or_insert(field, group, now);
         // One budget for waiting on another request's refill and making our own call, so a
         // request never waits longer than the timeout because of Redis.
         let deadline = tokio::time::Instant::now() + timeout;
+        if !new {
+            // A key back for more before a sync could measure its demand: doubling its
+            // target per call ramps a new hot key up in a few calls instead of one call per
+            // request, while a key seen once stays at one token and one call.
+            let target = slot.target.load(Ordering::Relaxed);
+            let cap = self.lease_cap(self.horizon()).max(2);
+            slot.target
+                .store(target.saturating_mul(2).clamp(2, cap), Ordering::Relaxed);
+        }
         let Ok(_guard) = tokio::time::timeout_at(deadline, slot.refill.lock()).await else {
             return self.degraded(Some(&slot), key, now, cost);
         };
@@ -392,21 +614,32 @@ impl GlobalRule {
         if timeout.is_zero() {
             return self.degraded(Some(&slot), key, now, cost);
         }
-        let held = slot.tokens.load(Ordering::Acquire);
-        let target = slot.target.load(Ordering::Relaxed).min(self.share());
+        let held = slot.tokens.load(Ordering::Acquire) + slot.pending_count();
+        let horizon = self.horizon();
+        let target = slot
+            .target
+            .load(Ordering::Relaxed)
+            .min(self.lease_cap(horizon));
         let want = cost.saturating_sub(held).max(target.saturating_sub(held));
         let mut op = self.op(field, group, want, 0, 0, false);
         op.force = slot.debt.swap(0, Ordering::AcqRel);
+        op.ahead_ms = Self::ahead_ms(horizon);
         let owed = op.force;
+        let started = std::time::Instant::now();
         match self.call_for_slot(&slot, op, now, timeout).await {
             Ok(r) => {
-                slot.credit(&r, self.runtime.settings.lease_until(now));
+                let now = now.saturating_add(started.elapsed().as_nanos() as Nanos);
+                slot.credit(&r, want, now, self.runtime.settings.lease_until(now));
                 if let Some(d) = self.spend(&slot, now, cost) {
                     return LocalOutcome::Decided(d);
                 }
                 if self.top_up_landed(&slot, deadline).await
                     && let Some(d) = self.spend(&slot, now, cost)
                 {
+                    return LocalOutcome::Decided(d);
+                }
+                slot.denied.fetch_add(cost, Ordering::Relaxed);
+                if let Some(d) = self.known_exhausted(&slot, now, cost) {
                     return LocalOutcome::Decided(d);
                 }
                 LocalOutcome::Decided(self.decision_from(&r, false))
@@ -506,6 +739,7 @@ impl GlobalRule {
             back_window,
             all_or_nothing,
             force: 0,
+            ahead_ms: 0,
         }
     }
 
@@ -536,7 +770,7 @@ impl GlobalRule {
                 // The request stopped waiting: keep what Redis granted.
                 if let Err(Ok(r)) = tx.send(result) {
                     let now = now.saturating_add(started.elapsed().as_nanos() as Nanos);
-                    slot.credit(&r, runtime.settings.lease_until(now));
+                    slot.credit(&r, op.want, now, runtime.settings.lease_until(now));
                     runtime.metrics.tokens_late.inc_by(r.granted);
                 }
             }
@@ -590,77 +824,111 @@ impl GlobalRule {
     /// Plans this rule's part of a sync round: returns and top-ups per key, and drops keys that
     /// went idle (returning their tokens).
     pub fn plan_sync(&self, now: Nanos, plan: &mut Vec<(Arc<Slot>, LeaseOp)>) {
-        let interval = self.runtime.settings.sync_interval.as_nanos() as Nanos;
-        let idle_after = 2 * interval;
-        // Tokens must last until the next sync lands: the interval plus a few round trips.
-        let horizon = interval + 3 * self.runtime.sync_rtt.load(Ordering::Relaxed);
-        let share = self.share();
+        let horizon = self.horizon();
+        let round = RoundPlan {
+            now,
+            horizon,
+            cap: self.lease_cap(horizon),
+            saturated_cap: self.lease_cap(2 * horizon),
+            idle_after: 2 * self.runtime.settings.sync_interval.as_nanos() as Nanos,
+        };
         for shard in &self.shards {
-            let mut map = shard.lock();
-            map.retain(|_, slot| {
-                let demand = slot.spent.swap(0, Ordering::AcqRel);
-                let since = now
-                    .saturating_sub(slot.last_plan.swap(now, Ordering::AcqRel))
-                    .max(1);
-                let idle = demand == 0
-                    && now.saturating_sub(slot.last_used.load(Ordering::Relaxed)) > idle_after;
-                // Demand projected over the horizon (early syncs measure shorter spans),
-                // with half again as headroom; shrink at most by half per round so a short lull
-                // does not empty a hot key; never more than this sidecar's share.
-                let projected = (u128::from(demand) * u128::from(horizon) / u128::from(since))
-                    .min(u128::from(u64::MAX)) as u64;
-                let previous = slot.target.load(Ordering::Relaxed);
-                let target = if idle {
-                    0
-                } else {
-                    (projected + projected / 2 + 1).max(previous / 2).min(share)
-                };
-                slot.target.store(target.max(1), Ordering::Relaxed);
-                let owed = slot.debt.swap(0, Ordering::AcqRel);
-                let planned = plan.len();
-                let held = slot.tokens.load(Ordering::Acquire);
-                if held > target {
-                    let give = take_up_to(&slot.tokens, held - target);
-                    if give > 0 {
-                        plan.push((
-                            Arc::clone(slot),
-                            self.op(
-                                slot.field,
-                                slot.group,
-                                0,
-                                give,
-                                slot.window.load(Ordering::Relaxed),
-                                false,
-                            ),
-                        ));
-                    }
-                } else if !idle && held * 2 < target {
-                    slot.topping_up.store(true, Ordering::Release);
-                    plan.push((
-                        Arc::clone(slot),
-                        self.op(slot.field, slot.group, target - held, 0, 0, false),
-                    ));
-                }
-                if owed > 0 {
-                    // The debt rides with this round's call for the key, or one of its own.
-                    if plan.len() == planned {
-                        let op = self.op(slot.field, slot.group, 0, 0, 0, false);
-                        plan.push((Arc::clone(slot), op));
-                    }
-                    if let Some((_, op)) = plan.last_mut() {
-                        op.force = owed;
-                    }
-                }
-                !idle || slot.tokens.load(Ordering::Acquire) > 0 || owed > 0
-            });
+            shard
+                .lock()
+                .retain(|_, slot| self.plan_slot(slot, &round, plan));
         }
+    }
+
+    /// One key's part of a sync round; false drops the key (idle, nothing held or owed).
+    fn plan_slot(
+        &self,
+        slot: &Arc<Slot>,
+        round: &RoundPlan,
+        plan: &mut Vec<(Arc<Slot>, LeaseOp)>,
+    ) -> bool {
+        let target = self.plan_target(slot, round);
+        let idle = target == 0;
+        slot.target.store(target.max(1), Ordering::Relaxed);
+        let owed = slot.debt.swap(0, Ordering::AcqRel);
+        let planned = plan.len();
+        let held = slot.tokens.load(Ordering::Acquire) + slot.pending_count();
+        // A shrinking target returns its excess only once that is worth a call of its own:
+        // otherwise a key cooling down paid one return per round, halving its way to zero.
+        let worth_returning = idle || (held > 2 * target && held - target >= MIN_RETURN);
+        // A target of 1 (no recurring demand) is never topped up: a key seen once costs one
+        // call.
+        let top_up = target > 1 && held * 2 < target;
+        if held > target && worth_returning {
+            // Spendable tokens first, then the latest pending ones (the end of the schedule).
+            let excess = held - target;
+            let mut give = take_up_to(&slot.tokens, excess);
+            give += slot.take_pending(excess - give);
+            if give > 0 {
+                let window = slot.window.load(Ordering::Relaxed);
+                let op = self.op(slot.field, slot.group, 0, give, window, false);
+                plan.push((Arc::clone(slot), op));
+            }
+        } else if top_up {
+            slot.topping_up.store(true, Ordering::Release);
+            let mut op = self.op(slot.field, slot.group, target - held, 0, 0, false);
+            op.ahead_ms = Self::ahead_ms(round.horizon_for(slot));
+            plan.push((Arc::clone(slot), op));
+        }
+        if owed > 0 {
+            // The debt rides with this round's call for the key, or one of its own.
+            if plan.len() == planned {
+                let op = self.op(slot.field, slot.group, 0, 0, 0, false);
+                plan.push((Arc::clone(slot), op));
+            }
+            if let Some((_, op)) = plan.last_mut() {
+                op.force = owed;
+            }
+        }
+        !idle || slot.tokens.load(Ordering::Acquire) > 0 || slot.pending_count() > 0 || owed > 0
+    }
+
+    /// What a key should hold through the next horizon (0: idle; 1: no recurring demand, so
+    /// no top-up). Demand (admitted and refused here since the last plan) is projected over
+    /// the horizon with half again as headroom. The projection discounts one request and
+    /// measures at least a quarter of the horizon: a new key's first request a few
+    /// milliseconds before a sync is no rate, and extrapolating it leased dozens of tokens to
+    /// every key seen once. A target shrinks at most by half per round so a short lull does
+    /// not empty a hot key; never more than `lease_cap`.
+    fn plan_target(&self, slot: &Slot, round: &RoundPlan) -> u64 {
+        let demand = slot.spent.swap(0, Ordering::AcqRel) + slot.denied.swap(0, Ordering::AcqRel);
+        let since = round
+            .now
+            .saturating_sub(slot.last_plan.swap(round.now, Ordering::AcqRel));
+        let previous = slot.target.load(Ordering::Relaxed);
+        if demand == 0 {
+            let unused_for = round
+                .now
+                .saturating_sub(slot.last_used.load(Ordering::Relaxed));
+            return if unused_for > round.idle_after {
+                0
+            } else {
+                (previous / 2).max(1)
+            };
+        }
+        let horizon = round.horizon_for(slot);
+        let span = since.max(round.horizon / 4).max(1);
+        let projected = (u128::from(demand - 1) * u128::from(horizon) / u128::from(span))
+            .min(u128::from(u64::MAX)) as u64;
+        (projected + projected / 2 + 1)
+            .max(previous / 2)
+            .min(if horizon > round.horizon {
+                round.saturated_cap
+            } else {
+                round.cap
+            })
+            .max(1)
     }
 
     /// Applies a sync reply (or failure) to the slot it was planned for.
     /// The caller signals `GlobalRuntime::synced` once the whole round is applied.
     pub fn finish_sync(&self, slot: &Slot, op: &LeaseOp, reply: Option<&LeaseReply>, now: Nanos) {
         match reply {
-            Some(r) => slot.credit(r, self.runtime.settings.lease_until(now)),
+            Some(r) => slot.credit(r, op.want, now, self.runtime.settings.lease_until(now)),
             // The return did not reach Redis: keep the tokens (they were taken legitimately).
             None => {
                 slot.tokens.fetch_add(op.give_back, Ordering::AcqRel);
@@ -691,7 +959,7 @@ impl GlobalRule {
         let mut ops = Vec::new();
         for shard in &self.shards {
             for slot in shard.lock().values() {
-                let give = slot.tokens.swap(0, Ordering::AcqRel);
+                let give = slot.tokens.swap(0, Ordering::AcqRel) + slot.take_pending(u64::MAX);
                 if give > 0 {
                     ops.push(self.op(
                         slot.field,
@@ -734,6 +1002,43 @@ async fn lease_one(
     result
 }
 
+/// The parameters of one sync round, the same for every key of a rule.
+struct RoundPlan {
+    now: Nanos,
+    horizon: Nanos,
+    cap: u64,
+    saturated_cap: u64,
+    idle_after: Nanos,
+}
+
+impl RoundPlan {
+    /// How far ahead a key plans. A saturated key plans two horizons: its tokens come from
+    /// Redis reserved ahead at the refill rate whatever it asks, so a longer plan costs
+    /// nothing in accuracy, and a sidecar with a small part of the key's traffic then tops
+    /// up every other round instead of every round.
+    fn horizon_for(&self, slot: &Slot) -> Nanos {
+        if slot.saturated.load(Ordering::Relaxed) {
+            2 * self.horizon
+        } else {
+            self.horizon
+        }
+    }
+}
+
+/// Atomically takes exactly `n` from `a` if it holds that many; returns what is left.
+fn take_exactly(a: &AtomicU64, n: u64) -> Option<u64> {
+    let mut cur = a.load(Ordering::Acquire);
+    loop {
+        if cur < n {
+            return None;
+        }
+        match a.compare_exchange_weak(cur, cur - n, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return Some(cur - n),
+            Err(actual) => cur = actual,
+        }
+    }
+}
+
 /// Atomically takes up to `n` from `a`; returns how much was taken.
 fn take_up_to(a: &AtomicU64, n: u64) -> u64 {
     let mut cur = a.load(Ordering::Acquire);
@@ -753,4 +1058,44 @@ fn share_quota(rule: &CompiledRule, n: u32) -> Result<Quota, tollgate_limiter::Q
     limit.requests = (limit.requests / n).max(1);
     limit.burst = (limit.burst / n).max(1);
     crate::rules::quota_for(&limit)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Pending;
+
+    #[test]
+    fn pending_tokens_are_released_at_their_places_in_the_schedule() {
+        // One token per 10 ns; a grant of 3 ending at 100 (due 80, 90, 100), another sidecar's
+        // grant in between, then ours of 2 ending at 150 (due 140, 150).
+        let mut p = Pending::new(10);
+        p.push(3, 100);
+        p.push(2, 150);
+        assert_eq!((p.count(), p.next_unlock()), (5, 80));
+        assert_eq!(p.release(79), 0);
+        assert_eq!(p.release(90), 2);
+        assert_eq!(p.due_at(1), Some(100));
+        assert_eq!(p.due_at(2), Some(140), "the second run keeps its own times");
+        assert_eq!(p.due_at(4), None);
+        assert_eq!(p.release(139), 1);
+        assert_eq!(p.next_unlock(), 140);
+        // Returning the latest token moves the run's end back one place.
+        assert_eq!(p.take_latest(1), 1);
+        assert_eq!((p.count(), p.next_unlock()), (1, 140));
+        assert_eq!(p.release(1_000), 1);
+        assert_eq!(p.next_unlock(), u64::MAX);
+        assert_eq!(p.take_latest(5), 0);
+    }
+
+    #[test]
+    fn overlapping_grants_merge_without_releasing_early() {
+        let mut p = Pending::new(10);
+        p.push(3, 100);
+        // Starts (at 90) before the last run ends: queued after it, nothing released early.
+        p.push(2, 100);
+        assert_eq!((p.count(), p.next_unlock()), (5, 80));
+        assert_eq!(p.runs.len(), 1);
+        assert_eq!(p.release(119), 4);
+        assert_eq!(p.release(120), 1);
+    }
 }

@@ -215,10 +215,9 @@ pub async fn sync_loop(shared: Arc<Shared>, runtime: Arc<GlobalRuntime>, members
             continue;
         }
 
-        // Heartbeat about once per second (and on the first round), concurrently with the
-        // lease batch so a slow Redis costs one round trip per sync, not two.
-        let heartbeat_due = last_heartbeat
-            .is_none_or(|t| t.elapsed() >= Duration::from_secs(1).min(membership.ttl / 3));
+        // Heartbeat three times per membership TTL (and on the first round), concurrently with
+        // the lease batch so a slow Redis costs one round trip per sync, not two.
+        let heartbeat_due = last_heartbeat.is_none_or(|t| t.elapsed() >= membership.ttl / 3);
         let mut heartbeat_policies: Vec<String> = Vec::new();
         if let Some(members) = runtime.controller_members.load_full() {
             for (g, rule) in &globals {

@@ -313,6 +313,10 @@ pub struct LeaseOp {
     pub all_or_nothing: bool,
     /// Tokens owed (costs settled at the response beyond what was held), taken even into debt.
     pub force: u64,
+    /// Token buckets: how far ahead (ms) a grant may reach into tokens not yet refilled. A
+    /// saturated key reserves its next interval in one call; the slot releases each such token
+    /// at the time it becomes conformant (`LeaseReply::ready_us`).
+    pub ahead_ms: u64,
 }
 
 /// What the script answered.
@@ -325,17 +329,20 @@ pub struct LeaseReply {
     pub retry_after_ms: u64,
     /// Window index for window algorithms (to return tokens to the right window).
     pub window: u64,
+    /// How long after the reply the last granted token becomes conformant (token buckets
+    /// granting ahead); 0 when every granted token is spendable now.
+    pub ready_us: u64,
 }
 
-/// Parses a lease script reply; anything but five non-negative integers is an error.
+/// Parses a lease script reply; anything but six non-negative integers is an error.
 pub fn parse_lease_reply(v: &redis::Value) -> Result<LeaseReply, StoreError> {
     let redis::Value::Array(items) = v else {
         return Err(StoreError::BadReply(format!("{v:?}")));
     };
-    if items.len() != 5 {
+    if items.len() != 6 {
         return Err(StoreError::BadReply(format!("{} items", items.len())));
     }
-    let mut n = [0u64; 5];
+    let mut n = [0u64; 6];
     for (slot, item) in n.iter_mut().zip(items) {
         *slot = match item {
             redis::Value::Int(i) if *i >= 0 => *i as u64,
@@ -348,6 +355,7 @@ pub fn parse_lease_reply(v: &redis::Value) -> Result<LeaseReply, StoreError> {
         reset_ms: n[2],
         retry_after_ms: n[3],
         window: n[4],
+        ready_us: n[5],
     })
 }
 
@@ -701,7 +709,8 @@ impl Store {
             .arg(op.give_back)
             .arg(op.back_window)
             .arg(if op.all_or_nothing { 1 } else { 0 })
-            .arg(op.force);
+            .arg(op.force)
+            .arg(op.ahead_ms);
         inv
     }
 
@@ -844,7 +853,7 @@ mod tests {
     #[test]
     fn lease_replies_are_validated() {
         use redis::Value::{Array, Int, Nil};
-        let ok = Array(vec![Int(3), Int(7), Int(100), Int(0), Int(9)]);
+        let ok = Array(vec![Int(3), Int(7), Int(100), Int(0), Int(9), Int(250)]);
         assert_eq!(
             parse_lease_reply(&ok).unwrap(),
             LeaseReply {
@@ -852,13 +861,21 @@ mod tests {
                 remaining: 7,
                 reset_ms: 100,
                 retry_after_ms: 0,
-                window: 9
+                window: 9,
+                ready_us: 250,
             }
         );
         assert!(parse_lease_reply(&Nil).is_err());
         assert!(parse_lease_reply(&Array(vec![Int(1)])).is_err());
-        assert!(parse_lease_reply(&Array(vec![Int(-1), Int(0), Int(0), Int(0), Int(0)])).is_err());
-        assert!(parse_lease_reply(&Array(vec![Nil, Int(0), Int(0), Int(0), Int(0)])).is_err());
+        let five = Array(vec![Int(1), Int(0), Int(0), Int(0), Int(0)]);
+        assert!(
+            parse_lease_reply(&five).is_err(),
+            "a reply of an older script"
+        );
+        let negative = Array(vec![Int(-1), Int(0), Int(0), Int(0), Int(0), Int(0)]);
+        assert!(parse_lease_reply(&negative).is_err());
+        let nil = Array(vec![Nil, Int(0), Int(0), Int(0), Int(0), Int(0)]);
+        assert!(parse_lease_reply(&nil).is_err());
     }
 
     #[test]
