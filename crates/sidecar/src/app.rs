@@ -96,6 +96,8 @@ pub async fn run(
             let options = crate::global::store::RedisOptions {
                 url: url.clone(),
                 cluster: args.redis_cluster,
+                sentinel_master: args.redis_sentinel.clone(),
+                sentinel_password_file: args.redis_sentinel_password_file.clone(),
                 username: args.redis_username.clone(),
                 password_file: args.redis_password_file.clone(),
                 ca_file: args.redis_ca_file.clone(),

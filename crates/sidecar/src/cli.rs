@@ -189,6 +189,28 @@ pub struct RunArgs {
     #[arg(long, env = "TOLLGATE_REDIS_CLUSTER", default_value_t = false)]
     pub redis_cluster: bool,
 
+    /// Find the Redis master through Redis Sentinel: --redis is then a comma-separated list of
+    /// sentinels (`redis://host:26379`, `rediss://` for TLS to them and to the master) and
+    /// this is the master's name as the sentinels know it. After a failover the sidecar asks
+    /// the sentinels again and follows the promoted replica. --redis-username,
+    /// --redis-password-file and the TLS files apply to the master.
+    #[arg(
+        long,
+        env = "TOLLGATE_REDIS_SENTINEL",
+        value_name = "MASTER_NAME",
+        conflicts_with = "redis_cluster"
+    )]
+    pub redis_sentinel: Option<String>,
+
+    /// File holding the password of the sentinels themselves (their `requirepass`), when they
+    /// have one; read at every new connection like --redis-password-file.
+    #[arg(
+        long,
+        env = "TOLLGATE_REDIS_SENTINEL_PASSWORD_FILE",
+        requires = "redis_sentinel"
+    )]
+    pub redis_sentinel_password_file: Option<PathBuf>,
+
     /// Redis ACL user name (Redis 6+); overrides a user in the URL.
     #[arg(long, env = "TOLLGATE_REDIS_USERNAME")]
     pub redis_username: Option<String>,

@@ -5,9 +5,11 @@
 mod monitor;
 pub mod pki;
 mod redis;
+mod sentinel;
 
 pub use monitor::Monitor;
 pub use redis::Redis;
+pub use sentinel::Sentinel;
 
 /// A free TCP port on 127.0.0.1 (the kernel picks it; the listener is closed before return).
 pub fn free_port() -> u16 {

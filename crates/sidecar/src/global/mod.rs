@@ -99,7 +99,7 @@ impl GlobalMetrics {
         );
         r.register(
             "redis_errors",
-            "Failed Redis calls by kind (timeout, connection, auth, config, breaker_open, error, bad_reply)",
+            "Failed Redis calls by kind (timeout, connection, not_master, auth, config, breaker_open, error, bad_reply)",
             m.redis_errors.clone(),
         );
         r.register(

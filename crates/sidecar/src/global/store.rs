@@ -46,6 +46,12 @@ impl StoreError {
                 "connection"
             }
             StoreError::Redis(e) if e.kind() == redis::ErrorKind::Io => "connection",
+            // The node is no longer the master (a failover demoted it) or has none.
+            StoreError::Redis(e)
+                if matches!(e.code(), Some("READONLY" | "MASTERDOWN" | "LOADING")) =>
+            {
+                "not_master"
+            }
             StoreError::Redis(_) => "error",
             StoreError::BadReply(_) => "bad_reply",
             StoreError::Config(_) => "config",
@@ -79,6 +85,10 @@ pub struct RedisOptions {
     /// line and out of the environment.
     pub url: String,
     pub cluster: bool,
+    /// Master name: `url` lists sentinels, which say where the master is.
+    pub sentinel_master: Option<String>,
+    /// File holding the sentinels' own password (their `requirepass`).
+    pub sentinel_password_file: Option<PathBuf>,
     /// ACL user (Redis 6+); overrides a user in the URL.
     pub username: Option<String>,
     /// File whose content (one trailing newline ignored) is the password; overrides the URL's.
@@ -95,6 +105,8 @@ impl std::fmt::Debug for RedisOptions {
         f.debug_struct("RedisOptions")
             .field("url", &redact_url(&self.url))
             .field("cluster", &self.cluster)
+            .field("sentinel_master", &self.sentinel_master)
+            .field("sentinel_password_file", &self.sentinel_password_file)
             .field("username", &self.username)
             .field("password_file", &self.password_file)
             .field("ca_file", &self.ca_file)
@@ -141,7 +153,7 @@ impl RedisOptions {
     }
 
     fn urls(&self) -> Vec<&str> {
-        if self.cluster {
+        if self.cluster || self.sentinel_master.is_some() {
             self.url.split(',').map(str::trim).collect()
         } else {
             vec![self.url.trim()]
@@ -170,6 +182,20 @@ impl RedisOptions {
                     redact_url(u)
                 ))
             })?;
+        }
+        if self.cluster && self.sentinel_master.is_some() {
+            return Err(StoreError::Config(
+                "--redis-cluster and --redis-sentinel exclude each other".into(),
+            ));
+        }
+        if self
+            .sentinel_master
+            .as_deref()
+            .is_some_and(|m| m.trim().is_empty())
+        {
+            return Err(StoreError::Config(
+                "--redis-sentinel needs the master's name as the sentinels know it".into(),
+            ));
         }
         let tls = urls.iter().filter(|u| u.starts_with("rediss://")).count();
         if tls != 0 && tls != urls.len() {
@@ -209,23 +235,23 @@ impl RedisOptions {
 
     /// The password from `password_file`, if set (a trailing newline is not part of it).
     fn password(&self) -> Result<Option<String>, StoreError> {
-        let Some(path) = &self.password_file else {
+        Self::password_from("--redis-password-file", self.password_file.as_ref())
+    }
+
+    fn password_from(flag: &str, path: Option<&PathBuf>) -> Result<Option<String>, StoreError> {
+        let Some(path) = path else {
             return Ok(None);
         };
-        let bytes = Self::read("--redis-password-file", path)?;
-        let text = String::from_utf8(bytes).map_err(|_| {
-            StoreError::Config(format!(
-                "--redis-password-file {} is not UTF-8",
-                path.display()
-            ))
-        })?;
+        let bytes = Self::read(flag, path)?;
+        let text = String::from_utf8(bytes)
+            .map_err(|_| StoreError::Config(format!("{flag} {} is not UTF-8", path.display())))?;
         let password = text
             .strip_suffix("\r\n")
             .or_else(|| text.strip_suffix('\n'))
             .unwrap_or(&text);
         if password.is_empty() {
             return Err(StoreError::Config(format!(
-                "--redis-password-file {} is empty",
+                "{flag} {} is empty",
                 path.display()
             )));
         }
@@ -275,6 +301,10 @@ impl RedisOptions {
             let client = builder.build()?;
             return Ok(Conn::Cluster(client.get_async_connection().await?));
         }
+        if let Some(master) = &self.sentinel_master {
+            let client = self.master_from_sentinels(master, password, certs).await?;
+            return Ok(Conn::Single(Self::manager(client).await?));
+        }
         let info = self.url.trim().into_connection_info()?;
         let mut settings = info.redis_settings().clone();
         if let Some(user) = &self.username {
@@ -288,13 +318,69 @@ impl RedisOptions {
             Some(certs) => redis::Client::build_with_tls(info, certs)?,
             None => redis::Client::open(info)?,
         };
+        Ok(Conn::Single(Self::manager(client).await?))
+    }
+
+    async fn manager(client: redis::Client) -> Result<redis::aio::ConnectionManager, StoreError> {
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(2)))
             .set_response_timeout(Some(Duration::from_secs(2)))
             .set_number_of_retries(1);
-        Ok(Conn::Single(
-            client.get_connection_manager_with_config(config).await?,
-        ))
+        Ok(client.get_connection_manager_with_config(config).await?)
+    }
+
+    /// Asks the sentinels where the master is (the first sentinel that answers, with the
+    /// master's `ROLE` checked) and returns a client for it. Called at every (re)connect, so
+    /// a failover is followed at the first error on the old master's connection.
+    async fn master_from_sentinels(
+        &self,
+        master: &str,
+        password: Option<String>,
+        certs: Option<redis::TlsCertificates>,
+    ) -> Result<redis::Client, StoreError> {
+        use redis::IntoConnectionInfo;
+        use redis::sentinel::{SentinelClientBuilder, SentinelServerType};
+        let mut sentinels = Vec::new();
+        let mut sentinel_password = Self::password_from(
+            "--redis-sentinel-password-file",
+            self.sentinel_password_file.as_ref(),
+        )?;
+        for url in self.urls() {
+            let info = url.into_connection_info()?;
+            if sentinel_password.is_none() {
+                sentinel_password = info.redis_settings().password().map(str::to_string);
+            }
+            sentinels.push(info.addr().clone());
+        }
+        let mut builder =
+            SentinelClientBuilder::new(sentinels, master.trim(), SentinelServerType::Master)?;
+        if self.tls() {
+            let insecure = self.urls().iter().any(|u| u.ends_with("#insecure"));
+            let mode = if insecure {
+                redis::TlsMode::Insecure
+            } else {
+                redis::TlsMode::Secure
+            };
+            builder = builder
+                .set_client_to_redis_tls_mode(mode)
+                .set_client_to_sentinel_tls_mode(mode);
+            if let Some(certs) = certs {
+                builder = builder
+                    .set_client_to_redis_certificates(certs.clone())
+                    .set_client_to_sentinel_certificates(certs);
+            }
+        }
+        if let Some(user) = &self.username {
+            builder = builder.set_client_to_redis_username(user);
+        }
+        if let Some(pw) = &password {
+            builder = builder.set_client_to_redis_password(pw);
+        }
+        if let Some(pw) = &sentinel_password {
+            builder = builder.set_client_to_sentinel_password(pw);
+        }
+        let mut client = builder.build()?;
+        Ok(client.async_get_client().await?)
     }
 }
 
@@ -591,6 +677,7 @@ impl Store {
         serde_json::json!({
             "url": o.redacted(),
             "cluster": o.cluster,
+            "sentinelMaster": o.sentinel_master,
             "tls": o.tls(),
             "username": o.username,
             "passwordFile": o.password_file,
@@ -632,11 +719,13 @@ impl Store {
         if e.is_auth() {
             self.connector.conn.store(None);
         }
-        if e.kind() == "connection" {
+        if matches!(e.kind(), "connection" | "not_master") {
             // A broken single-node connection is made again by our own connect task, which
             // runs to completion whatever the caller's budget; left to the connection
             // manager, a reconnect that failed while the Service had no endpoints was never
-            // retried on the real node. The cluster client re-routes broken shards itself.
+            // retried on the real node. With Sentinel the connect task asks the sentinels again,
+            // so a master that died or was demoted (READONLY) is left for the promoted one.
+            // The cluster client re-routes broken shards itself.
             let c = &self.connector;
             let single = c
                 .conn
