@@ -7,11 +7,12 @@ cd "$(dirname "$0")/.."
 
 log() { printf '\n==> [%s, %ss] %s\n' "$(date +%T)" "$SECONDS" "$*" >&2; }
 
-# Debian packages the tests use as real parts (redis-server for the global limiter tests,
-# openssl for test PKI, curl for smoke checks, valgrind to count the sidecar's instructions per
-# admitted and rejected request).
+# Debian packages the tests use as real parts (redis-server and redis-sentinel for the global
+# limiter and failover tests, openssl for test PKI, curl for smoke checks, valgrind to count the
+# sidecar's instructions per admitted and rejected request).
 need_pkgs=()
 command -v redis-server >/dev/null || need_pkgs+=(redis-server)
+command -v redis-sentinel >/dev/null || need_pkgs+=(redis-sentinel)
 command -v openssl >/dev/null || need_pkgs+=(openssl)
 command -v curl >/dev/null || need_pkgs+=(curl)
 command -v valgrind >/dev/null || need_pkgs+=(valgrind)

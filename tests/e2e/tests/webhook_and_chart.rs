@@ -492,6 +492,27 @@ fn bad_values_fail_with_the_path_and_the_reason() {
     let out = helm_offline(&["template", RELEASE, CHART, "--set", "sidecar.port=9091"]);
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("sidecar.port and sidecar.adminPort must differ"));
+    let set = "redis.url=redis://s:26379,redis.cluster=true,redis.sentinel.masterName=tg";
+    let out = helm_offline(&["template", RELEASE, CHART, "--set", set]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr)
+            .contains("redis.cluster and redis.sentinel.masterName exclude each other")
+    );
+}
+
+#[test]
+fn redis_sentinel_reaches_the_injected_sidecars() {
+    let out = helm_template(
+        "redis.url=redis://s1:26379\\,redis://s2:26379,redis.sentinel.masterName=tg",
+        &[],
+    );
+    assert!(out.contains("--sidecar-redis-sentinel=tg"), "{out}");
+    assert!(
+        out.contains("--sidecar-redis-url=redis://s1:26379,redis://s2:26379"),
+        "{out}"
+    );
+    assert!(!out.contains("--sidecar-redis-cluster"));
 }
 
 // === the cluster test ===

@@ -151,6 +151,16 @@ pub struct WebhookArgs {
     #[arg(long, env = "TOLLGATE_SIDECAR_REDIS_CLUSTER")]
     pub sidecar_redis_cluster: bool,
 
+    /// `--sidecar-redis-url` is a comma-separated list of Redis Sentinels and this is the
+    /// master's name (the sidecar's `--redis-sentinel`).
+    #[arg(
+        long,
+        env = "TOLLGATE_SIDECAR_REDIS_SENTINEL",
+        value_name = "MASTER_NAME",
+        conflicts_with = "sidecar_redis_cluster"
+    )]
+    pub sidecar_redis_sentinel: Option<String>,
+
     /// Redis ACL user of the sidecars.
     #[arg(long, env = "TOLLGATE_SIDECAR_REDIS_USERNAME")]
     pub sidecar_redis_username: Option<String>,
@@ -216,6 +226,10 @@ impl WebhookArgs {
             Some(url) if !url.trim().is_empty() => Some(RedisConfig {
                 url: url.trim().to_string(),
                 cluster: self.sidecar_redis_cluster,
+                sentinel_master: self
+                    .sidecar_redis_sentinel
+                    .clone()
+                    .filter(|m| !m.trim().is_empty()),
                 username: self
                     .sidecar_redis_username
                     .clone()

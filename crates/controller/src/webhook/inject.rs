@@ -92,6 +92,8 @@ pub struct RedisConfig {
     /// `cluster`), without a password.
     pub url: String,
     pub cluster: bool,
+    /// Master name when `url` lists Redis Sentinels (`--redis-sentinel`).
+    pub sentinel_master: Option<String>,
     /// Redis ACL user.
     pub username: Option<String>,
     /// Secret holding the password, mounted as a file (`--redis-password-file`).
@@ -180,7 +182,7 @@ impl RedisConfig {
     /// Secret (`password`), not in the URL, which ends up in the pod spec for everyone who can
     /// read pods; messages never repeat a URL that has one.
     pub fn url_env(&self) -> anyhow::Result<String> {
-        let urls: Vec<&str> = if self.cluster {
+        let urls: Vec<&str> = if self.cluster || self.sentinel_master.is_some() {
             self.url.split(',').map(str::trim).collect()
         } else {
             vec![self.url.trim()]
@@ -222,6 +224,9 @@ impl RedisConfig {
         )];
         if self.cluster {
             env.push(var("TOLLGATE_REDIS_CLUSTER", "true".into()));
+        }
+        if let Some(master) = &self.sentinel_master {
+            env.push(var("TOLLGATE_REDIS_SENTINEL", master.clone()));
         }
         if let Some(user) = &self.username {
             env.push(var("TOLLGATE_REDIS_USERNAME", user.clone()));
@@ -1078,6 +1083,16 @@ mod tests {
         r.url = "redis://a:1, redis://b:2".into();
         r.cluster = true;
         assert_eq!(r.url_env().unwrap(), "redis://a:1,redis://b:2");
+        r.cluster = false;
+        r.sentinel_master = Some("tg".into());
+        assert_eq!(r.url_env().unwrap(), "redis://a:1,redis://b:2", "sentinels");
+        let env = r.env();
+        assert!(
+            env.iter()
+                .any(|e| e.name == "TOLLGATE_REDIS_SENTINEL" && e.value.as_deref() == Some("tg"))
+        );
+        r.sentinel_master = None;
+        r.cluster = true;
         r.url = "http://x".into();
         assert!(r.url_env().is_err());
         for url in ["redis://u:hunter2@x", "redis://:hunter2@x"] {
