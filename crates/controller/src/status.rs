@@ -147,7 +147,49 @@ pub fn desired_status(
         sidecars_in_sync: Some(in_sync),
         sidecars_total: Some(total),
         rules_version: view.compiled.as_ref().map(|_| view.version),
+        global_rules: view
+            .compiled
+            .as_ref()
+            .map(|c| global_rule_modes(c, total))
+            .unwrap_or_default(),
     }
+}
+
+/// Each Global rule's mode with `sidecars` connected (what `accuracy: Auto` chooses).
+fn global_rule_modes(
+    compiled: &tollgate_crd::CompiledPolicy,
+    sidecars: u32,
+) -> Vec<tollgate_crd::policy::GlobalRuleStatus> {
+    use tollgate_crd::policy::{Accuracy, GlobalRuleStatus, Scope};
+    let n = u64::from(sidecars.max(1));
+    compiled
+        .rules
+        .iter()
+        .filter(|r| r.scope == Scope::Global)
+        .map(|r| {
+            let capacity = r.capacity();
+            let min = tollgate_crd::compiled::AUTO_MIN_SHARE;
+            let (mode, reason) = match r.accuracy {
+                Accuracy::Strict => ("Exact", "accuracy: Strict".to_string()),
+                Accuracy::Leased => ("Leased", "accuracy: Leased".to_string()),
+                Accuracy::Auto if capacity < min * n => (
+                    "Exact",
+                    format!("Auto: {capacity} tokens over {n} sidecars is a share under {min}"),
+                ),
+                Accuracy::Auto => (
+                    "Leased",
+                    format!(
+                        "Auto: {capacity} tokens over {n} sidecars is a share of at least {min}"
+                    ),
+                ),
+            };
+            GlobalRuleStatus {
+                name: r.name.clone(),
+                mode: mode.to_string(),
+                reason,
+            }
+        })
+        .collect()
 }
 
 /// Cuts a message at a char boundary, marking the cut.

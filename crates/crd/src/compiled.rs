@@ -287,7 +287,45 @@ pub enum GlobalBackend {
     None,
 }
 
+/// `accuracy: Auto` leases while each sidecar's share of the capacity is at least this many
+/// tokens (the sidecar's `AUTO_MIN_SHARE`).
+pub const AUTO_MIN_SHARE: u64 = 5;
+
 impl CompiledRule {
+    /// The capacity a global bucket counts down from: the burst of a token bucket, the
+    /// requests of a window.
+    pub fn capacity(&self) -> u64 {
+        match self.limit.algorithm {
+            Algorithm::TokenBucket => self.limit.burst,
+            _ => self.limit.requests,
+        }
+    }
+
+    /// The most sidecars with which `accuracy: Auto` still leases (0: never).
+    pub fn auto_lease_sidecars(&self) -> u64 {
+        self.capacity() / AUTO_MIN_SHARE
+    }
+
+    fn describe_auto(&self) -> String {
+        let capacity = self.capacity();
+        match self.auto_lease_sidecars() {
+            0 => format!(
+                "shared by all sidecars (one Redis call per request: {capacity} tokens leave no \
+                 sidecar a share of {AUTO_MIN_SHARE})"
+            ),
+            1 => format!(
+                "shared by all sidecars (leased from Redis while one sidecar enforces it; with \
+                 more, a share of the {capacity} tokens is under {AUTO_MIN_SHARE} and each request \
+                 makes one Redis call)"
+            ),
+            n => format!(
+                "shared by all sidecars (leased from Redis with up to {n} sidecars, whose shares \
+                 of the {capacity} tokens are then at least {AUTO_MIN_SHARE} each; one Redis call \
+                 per request with more)"
+            ),
+        }
+    }
+
     /// What the rule does, in plain words (used by `tollgate-sidecar check` and dry runs), as
     /// deployed with Redis.
     pub fn describe(&self) -> String {
@@ -331,12 +369,14 @@ impl CompiledRule {
             ),
         };
         let cost = self.describe_cost();
+        let auto = self.describe_auto();
         let scope = match (self.scope, self.accuracy) {
             (Scope::Local, _) => "each sidecar on its own",
             (Scope::Global, _) if backend == GlobalBackend::None => {
                 "Global, but enforced by this sidecar on its own: no Redis is configured, so each \
                  sidecar allows the full limit"
             }
+            (Scope::Global, Accuracy::Auto) => auto.as_str(),
             (Scope::Global, Accuracy::Leased) => "shared by all sidecars (leased from Redis)",
             (Scope::Global, Accuracy::Strict) => {
                 "shared by all sidecars (one Redis call per request)"

@@ -146,8 +146,10 @@ pub struct PolicyRule {
     #[serde(default)]
     pub scope: Scope,
 
-    /// `Leased` (default) spends locally held token batches, accurate within the outstanding
-    /// leases; `Strict` makes one atomic Redis call per request, for exact quotas such as billing.
+    /// `Auto` (default) leases while each sidecar's share is at least 5 tokens and decides each
+    /// request exactly below that; `Leased` always spends locally held token batches, accurate
+    /// within the outstanding leases; `Strict` makes one atomic Redis call per request, for
+    /// exact quotas such as billing.
     #[serde(default)]
     pub accuracy: Accuracy,
 
@@ -497,8 +499,11 @@ pub enum Scope {
 /// How exact a global limit is.
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, Hash)]
 pub enum Accuracy {
-    /// Spend locally leased token batches; over-admission is bounded by outstanding leases.
+    /// Leased while each sidecar's share of the limit is at least 5 tokens, one atomic Redis
+    /// call per request below that (where leases would park a large part of a small limit).
     #[default]
+    Auto,
+    /// Spend locally leased token batches; over-admission is bounded by outstanding leases.
     Leased,
     /// One atomic Redis call per request.
     Strict,
@@ -595,6 +600,20 @@ pub struct RateLimitPolicyStatus {
     /// Version of the compiled rule set last streamed to sidecars.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rules_version: Option<u64>,
+    /// How each Global rule decides with the sidecars connected now: `Leased` or `Exact` (one
+    /// Redis call per request), and why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub global_rules: Vec<GlobalRuleStatus>,
+}
+
+/// The mode a Global rule runs in (see `accuracy`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GlobalRuleStatus {
+    pub name: String,
+    /// `Leased` or `Exact`.
+    pub mode: String,
+    pub reason: String,
 }
 
 /// Condition types and reasons, shared by the controller and tests.

@@ -129,8 +129,13 @@ fn describe_says_what_a_rule_does() {
     let p = compile(&parse_yaml(&yaml).unwrap()[0]).unwrap();
     let d = p.rules[0].describe();
     assert_eq!(
+        p.rules[0].accuracy,
+        tollgate_crd::policy::Accuracy::Auto,
+        "the default"
+    );
+    assert_eq!(
         d,
-        "r: POST requests under /payments: 10 requests per 1m (token bucket, bursts up to 5), per header x-api-key; shared by all sidecars (leased from Redis); rejects excess with 429; if Redis is unreachable: rejects; requests missing a key part share one bucket"
+        "r: POST requests under /payments: 10 requests per 1m (token bucket, bursts up to 5), per header x-api-key; shared by all sidecars (leased from Redis while one sidecar enforces it; with more, a share of the 5 tokens is under 5 and each request makes one Redis call); rejects excess with 429; if Redis is unreachable: rejects; requests missing a key part share one bucket"
     );
 }
 

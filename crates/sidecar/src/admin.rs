@@ -123,11 +123,31 @@ fn route(
                 .iter()
                 .map(|r| r.rule.describe_where(backend))
                 .collect();
+            // How each global rule runs now: leased or exact per request, and why.
+            let global: Vec<serde_json::Value> = rules
+                .rules
+                .iter()
+                .filter_map(|r| r.global.as_ref())
+                .map(|g| {
+                    let (mode, why) = g.mode();
+                    let largest = g.largest_allowance();
+                    serde_json::json!({
+                        "policy": g.policy_id,
+                        "rule": g.rule_id,
+                        "mode": mode,
+                        "why": why,
+                        "liveSidecars": g.live_sidecars(),
+                        "largestAllowance": largest,
+                        "overAdmissionBound": largest * u64::from(g.live_sidecars()),
+                    })
+                })
+                .collect();
             json(&serde_json::json!({
                 "version": rules.version,
                 "wireVersion": tollgate_crd::WIRE_VERSION,
                 "policies": policies,
                 "rules": described,
+                "globalModes": global,
                 "globalRulesEnforcedLocally": rules.local_fallback_rules,
                 "configError": shared.config_error.load().as_deref(),
             }))

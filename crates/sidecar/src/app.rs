@@ -121,6 +121,7 @@ pub async fn run(
                 synced: tokio::sync::Notify::new(),
                 controller_members: arc_swap::ArcSwapOption::empty(),
                 sync_rtt: std::sync::atomic::AtomicU64::new(0),
+                next_refill: std::sync::atomic::AtomicU64::new(u64::MAX),
             }))
         }
         None => None,

@@ -684,3 +684,33 @@ async fn back_to_back_requests_get_the_whole_bucket_in_order() {
     })
     .await;
 }
+
+/// A token bucket of burst 1 admits its one token, in both modes. Redis works in microseconds
+/// since the epoch; computed on absolute times, a full bucket of burst 1 came out a hair under
+/// one token and granted nothing, ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_global_bucket_of_burst_one_admits_its_token() {
+    within(60, async {
+        let _serial = SERIAL.lock().await;
+        let redis = Redis::start();
+        let upstream = Upstream::start().await;
+        for accuracy in ["Auto", "Leased", "Strict"] {
+            let p = global_policy(
+                "one",
+                &format!(
+                    "- name: one\n  key: [{{header: x-api-key}}]\n  limit: {{requests: 12, period: 10s, burst: 1}}\n  accuracy: {accuracy}"
+                ),
+            );
+            let s = start_sidecar(&upstream, &p, &redis, &["--redis-timeout", "200ms"]).await;
+            let c = client();
+            for key in ["a", "b", "c"] {
+                let key = format!("{accuracy}-{key}");
+                let first = c.get(s.url("/")).header("x-api-key", &key).send().await.expect("first");
+                assert_eq!(first.status(), 200, "{accuracy}: the first request of {key}");
+                let second = c.get(s.url("/")).header("x-api-key", &key).send().await.expect("second");
+                assert_eq!(second.status(), 429, "{accuracy}: the second request of {key}");
+            }
+        }
+    })
+    .await;
+}

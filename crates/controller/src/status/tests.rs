@@ -353,3 +353,29 @@ async fn writes_are_rate_limited_per_policy() {
     let next = next.expect("a deferred write");
     assert!(next > Instant::now() + Duration::from_secs(20));
 }
+
+#[test]
+fn status_says_how_each_global_rule_decides_with_the_sidecars_connected() {
+    // The rule has 10 requests per minute (capacity 10) and the default accuracy: Auto.
+    let modes =
+        |total| desired_status(&view(vec![], true, total, total), None, &time(1)).global_rules;
+    let two = modes(2);
+    assert_eq!(two.len(), 1);
+    assert_eq!(
+        (two[0].name.as_str(), two[0].mode.as_str()),
+        ("rule-0", "Leased")
+    );
+    assert!(
+        two[0].reason.contains("10 tokens over 2 sidecars"),
+        "{}",
+        two[0].reason
+    );
+    let three = modes(3);
+    assert_eq!(three[0].mode, "Exact", "a share of 3.3 tokens is under 5");
+    assert!(three[0].reason.contains("under 5"), "{}", three[0].reason);
+    assert!(
+        desired_status(&view(vec![], false, 3, 3), None, &time(1))
+            .global_rules
+            .is_empty()
+    );
+}

@@ -52,34 +52,38 @@ local granted, remaining, reset_ms, retry_ms, window, ready_us = 0, 0, 0, 0, 0, 
 
 if algo == 1 then
   -- GCRA: tat is the theoretical arrival time in microseconds; the bucket is full when tat <= now.
+  -- The arithmetic runs on `lag = tat - now`, not on absolute times: at ~1.8e15 microseconds a
+  -- double has a quarter-microsecond resolution, and `now + tau - tat` then came out a hair
+  -- under a whole number of tokens, so a full bucket of burst 1 granted nothing.
   local T = period * 1000 / limit
   local tau = burst * T
-  local tat = tonumber(state) or now_us
-  if tat < now_us then tat = now_us end
+  local lag = (tonumber(state) or now_us) - now_us
+  if lag < 0 then lag = 0 end
   if back > 0 then
-    tat = tat - back * T
-    if tat < now_us then tat = now_us end
+    lag = lag - back * T
+    if lag < 0 then lag = 0 end
   end
   -- A debt may run the schedule past the burst: later requests wait it off.
-  if force > 0 then tat = tat + force * T end
-  local available = math.floor((now_us + tau - tat) / T + 1e-9)
+  if force > 0 then lag = lag + force * T end
+  local available = math.floor((tau - lag) / T + 1e-9)
   if available < 0 then available = 0 end
   -- What the bucket will have had by the end of the horizon (tokens conformant by then).
-  local reachable = math.floor((now_us + ahead_us + tau - tat) / T + 1e-9)
+  local reachable = math.floor((ahead_us + tau - lag) / T + 1e-9)
   if reachable < available then reachable = available end
   if want > 0 then
     if want <= available then granted = want
     elseif not all_or_nothing then granted = math.min(want, reachable) end
   end
-  tat = tat + granted * T
+  lag = lag + granted * T
   remaining = available - granted
   if remaining < 0 then remaining = 0 end
-  if granted > 0 and tat - tau > now_us then ready_us = math.ceil(tat - tau - now_us) end
-  reset_ms = math.ceil((tat - now_us) / 1000)
+  if granted > 0 and lag > tau then ready_us = math.ceil(lag - tau) end
+  reset_ms = math.ceil(lag / 1000)
   if granted < want then
-    retry_ms = math.ceil((tat + want * T - now_us - tau) / 1000)
+    retry_ms = math.ceil((lag + want * T - tau) / 1000)
     if retry_ms < 0 then retry_ms = 0 end
   end
+  local tat = now_us + lag
   if tat <= now_us then
     redis.call('HDEL', key, field)
   else
@@ -121,8 +125,12 @@ else
   if granted < want then
     retry_ms = reset_ms
     if algo == 2 and prev > 0 then
-      -- When will the previous window's weight have decayed enough for `want`?
-      local room = limit - cur - want
+      -- When will the previous window's weight have decayed enough for `want` (all or
+      -- nothing), or for one more token (a lease, which takes what there is: it comes back
+      -- as soon as there is room rather than when all it wanted fits)?
+      local need = want
+      if not all_or_nothing then need = 1 end
+      local room = limit - cur - need
       if room >= 0 then
         local e = period * (1 - room / prev)
         if e > elapsed then retry_ms = math.ceil(e - elapsed) end

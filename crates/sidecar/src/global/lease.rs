@@ -29,6 +29,12 @@ const NANOS_PER_MS: Nanos = 1_000_000;
 const SHARDS: usize = 16;
 /// The smallest excess a key returns to Redis before it goes idle (see `plan_slot`).
 const MIN_RETURN: u64 = 8;
+/// `accuracy: Auto` leases while each sidecar's share of the capacity is at least this many
+/// tokens, and decides each request with one Redis call below it (Tyk switches to exact
+/// counting below servers × 5 the same way): a lease is at least a token per key per
+/// sidecar, so with fewer tokens per sidecar leases park a large part of the limit where it
+/// may not be needed.
+pub use tollgate_crd::compiled::AUTO_MIN_SHARE;
 
 /// Settings shared by every global rule.
 pub struct LeaseSettings {
@@ -63,6 +69,11 @@ pub struct GlobalRuntime {
     /// Smoothed round-trip time of sync batches (ns). Leases are sized to last through the
     /// next interval plus a few round trips, so a slow Redis does not drain hot keys.
     pub sync_rtt: AtomicU64,
+    /// The earliest time (clock ns) a window key that Redis found full gets room again (its
+    /// window resets, or a sliding window's previous count decays); `u64::MAX`: none. The
+    /// sync runs then instead of at the next interval, once, where waking it at every
+    /// rejected request cost a call per request.
+    pub next_refill: AtomicU64,
 }
 
 /// One key's local allowance.
@@ -99,6 +110,13 @@ pub struct Slot {
     /// When the next pending token becomes spendable (`u64::MAX` when none is pending), so the
     /// hot path looks at the pending tokens only when one is due.
     next_unlock: AtomicU64,
+    /// Exact mode: Redis rejected this key; until then its answer stands (see
+    /// `try_exact_local`).
+    blocked_until: AtomicU64,
+    /// A window key Redis found full: when it has room again (0: not waiting).
+    refill_at: AtomicU64,
+    /// Cost of the requests queued on `refill`: what the next round trip asks for them.
+    waiting: AtomicU64,
 }
 
 /// Tokens a saturated token bucket granted ahead. Each grant is a run of consecutive places of
@@ -297,7 +315,7 @@ pub struct GlobalRule {
     capacity: u64,
     /// Token buckets: the time one token takes to refill (the GCRA emission interval).
     step: Nanos,
-    strict: bool,
+    accuracy: Accuracy,
     pub failure_mode: FailureMode,
     shards: Vec<Mutex<HashMap<[u8; 16], Arc<Slot>>>>,
     live: AtomicU32,
@@ -345,7 +363,7 @@ impl GlobalRule {
             step: (u128::from(rule.limit.period_ms) * u128::from(NANOS_PER_MS)
                 / u128::from(rule.limit.requests.max(1)))
             .clamp(1, u128::from(u64::MAX / 4)) as Nanos,
-            strict: rule.accuracy == Accuracy::Strict,
+            accuracy: rule.accuracy,
             failure_mode: rule.failure_mode,
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             live: AtomicU32::new(1),
@@ -363,7 +381,7 @@ impl GlobalRule {
             && self.requests == rule.limit.requests
             && self.period_ms == rule.limit.period_ms
             && self.burst == rule.limit.burst
-            && self.strict == (rule.accuracy == Accuracy::Strict)
+            && self.accuracy == rule.accuracy
             && self.failure_mode == rule.failure_mode
     }
 
@@ -387,6 +405,54 @@ impl GlobalRule {
     /// This sidecar's share of the capacity: its fallback allowance while Redis is away.
     pub fn share(&self) -> u64 {
         (self.capacity / u64::from(self.live_sidecars())).max(1)
+    }
+
+    /// Whether requests are decided by one atomic Redis call each rather than from leases:
+    /// `Strict`, or `Auto` while this sidecar's share is below [`AUTO_MIN_SHARE`] tokens.
+    pub fn exact(&self) -> bool {
+        match self.accuracy {
+            Accuracy::Strict => true,
+            Accuracy::Leased => false,
+            Accuracy::Auto => self.capacity < AUTO_MIN_SHARE * u64::from(self.live_sidecars()),
+        }
+    }
+
+    /// The mode this rule runs in now and why, for `/debug/rules` and the metrics.
+    pub fn mode(&self) -> (&'static str, String) {
+        let live = self.live_sidecars();
+        let share = self.capacity as f64 / f64::from(live);
+        match (self.accuracy, self.exact()) {
+            (Accuracy::Strict, _) => ("exact", "accuracy: Strict".to_string()),
+            (Accuracy::Leased, _) => ("leased", "accuracy: Leased".to_string()),
+            (Accuracy::Auto, true) => (
+                "exact",
+                format!(
+                    "accuracy: Auto and a share of {share:.1} tokens ({} over {live} sidecars) is below {AUTO_MIN_SHARE}: leases would park tokens other sidecars need",
+                    self.capacity
+                ),
+            ),
+            (Accuracy::Auto, false) => (
+                "leased",
+                format!(
+                    "accuracy: Auto and a share of {share:.1} tokens ({} over {live} sidecars) is at least {AUTO_MIN_SHARE}",
+                    self.capacity
+                ),
+            ),
+        }
+    }
+
+    /// The most this sidecar holds for one key now (spendable and reserved ahead).
+    pub fn largest_allowance(&self) -> u64 {
+        self.shards
+            .iter()
+            .flat_map(|s| {
+                s.lock()
+                    .values()
+                    .map(|slot| slot.tokens.load(Ordering::Relaxed) + slot.pending_count())
+                    .collect::<Vec<_>>()
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     /// How far ahead syncs plan: tokens must last until the next sync lands, the interval
@@ -460,15 +526,34 @@ impl GlobalRule {
                 saturated: AtomicBool::new(false),
                 pending: Mutex::new(Pending::new(self.step)),
                 next_unlock: AtomicU64::new(u64::MAX),
+                blocked_until: AtomicU64::new(0),
+                refill_at: AtomicU64::new(0),
+                waiting: AtomicU64::new(0),
             })
         }));
         (slot, new)
     }
 
+    /// Credits a reply to `slot` (received at `now`, for a call that asked for `want`). A
+    /// window key that got less than it asked for comes back at the time Redis said there is
+    /// room (its reset, or a sliding window's decay): `GlobalRuntime::next_refill`. Token
+    /// buckets need no such wake-up: they are granted ahead instead.
+    fn credit(&self, slot: &Slot, r: &LeaseReply, want: u64, now: Nanos) {
+        slot.credit(r, want, now, self.runtime.settings.lease_until(now));
+        if self.algorithm != 1 && want > r.granted && r.retry_after_ms > 0 {
+            let at = now.saturating_add(r.retry_after_ms.saturating_mul(NANOS_PER_MS));
+            slot.refill_at.store(at, Ordering::Relaxed);
+            self.runtime.next_refill.fetch_min(at, Ordering::AcqRel);
+        }
+    }
+
     /// The hot path: spend from the local lease, or decide by the failure mode while Redis is
     /// known to be down. Never awaits, never touches the network.
     pub fn try_local(&self, field: &[u8; 16], key: &[u8], now: Nanos, cost: u64) -> LocalOutcome {
-        let slot = if self.strict { None } else { self.slot(field) };
+        if self.exact() {
+            return self.try_exact_local(field, key, now, cost);
+        }
+        let slot = self.slot(field);
         if let Some(slot) = &slot {
             if let Some(d) = self.spend(slot, now, cost) {
                 return LocalOutcome::Decided(d);
@@ -579,31 +664,81 @@ impl GlobalRule {
         })
     }
 
+    /// Exact mode without a round trip: only a key that Redis rejected, until the time Redis
+    /// said its next tokens come back (nothing can refill a bucket earlier but a refund).
+    fn try_exact_local(&self, field: &[u8; 16], key: &[u8], now: Nanos, cost: u64) -> LocalOutcome {
+        if let Some(slot) = self.slot(field) {
+            let until = slot.blocked_until.load(Ordering::Acquire);
+            if now < until {
+                return LocalOutcome::Decided(Decision {
+                    allowed: false,
+                    limit: self.capacity,
+                    remaining: 0,
+                    reset: slot.reset_ms.load(Ordering::Relaxed) * NANOS_PER_MS,
+                    retry_after: (until - now).max(NANOS_PER_MS),
+                    delay: 0,
+                });
+            }
+        }
+        if self.runtime.store.breaker.is_open() {
+            return self.degraded(None, key, now, cost);
+        }
+        LocalOutcome::NeedRemote
+    }
+
+    /// Exact mode: one all-or-nothing call for this request. A rejection is remembered until
+    /// its retry time, so a client far over a small limit costs one call per refill, not one
+    /// per request.
+    async fn acquire_exact(
+        &self,
+        field: [u8; 16],
+        group: u32,
+        key: &[u8],
+        now: Nanos,
+        cost: u64,
+    ) -> LocalOutcome {
+        let op = self.op(field, group, cost, 0, 0, true);
+        match self.call(op, self.runtime.settings.request_timeout).await {
+            Ok(r) => {
+                let allowed = r.granted >= cost;
+                if !allowed && r.retry_after_ms > 0 {
+                    let (slot, _) = self.slot_or_insert(field, group, now);
+                    slot.reset_ms.store(r.reset_ms, Ordering::Relaxed);
+                    slot.blocked_until
+                        .store(now + r.retry_after_ms * NANOS_PER_MS, Ordering::Release);
+                }
+                LocalOutcome::Decided(self.decision_from(&r, allowed))
+            }
+            Err(_) => self.degraded(None, key, now, cost),
+        }
+    }
+
     /// The slow path: one round trip (single flight per key), bounded by the request timeout.
     pub async fn acquire_remote(&self, key: &[u8], now: Nanos, cost: u64) -> LocalOutcome {
         let (field, group) = self.field_for(key);
         let timeout = self.runtime.settings.request_timeout;
-        if self.strict {
-            let op = self.op(field, group, cost, 0, 0, true);
-            return match self.call(op, timeout).await {
-                Ok(r) => LocalOutcome::Decided(self.decision_from(&r, r.granted >= cost)),
-                Err(_) => self.degraded(None, key, now, cost),
-            };
+        if self.exact() {
+            return self.acquire_exact(field, group, key, now, cost).await;
         }
         let (slot, new) = self.slot_or_insert(field, group, now);
         // One budget for waiting on another request's refill and making our own call, so a
         // request never waits longer than the timeout because of Redis.
         let deadline = tokio::time::Instant::now() + timeout;
-        if !new {
-            // A key back for more before a sync could measure its demand: doubling its
-            // target per call ramps a new hot key up in a few calls instead of one call per
-            // request, while a key seen once stays at one token and one call.
+        // Requests queued on this key's refill ask for exactly what they need together (a
+        // burst takes no more than it spends, leaving the rest to other sidecars). A key back
+        // for more with no queue, before a sync could measure its demand, doubles its target
+        // per call: a new hot key ramps up in a few calls instead of one call per request,
+        // while a key seen once stays at one token and one call.
+        let queued_before = slot.waiting.fetch_add(cost, Ordering::AcqRel);
+        if !new && queued_before == 0 {
             let target = slot.target.load(Ordering::Relaxed);
             let cap = self.lease_cap(self.horizon()).max(2);
             slot.target
                 .store(target.saturating_mul(2).clamp(2, cap), Ordering::Relaxed);
         }
-        let Ok(_guard) = tokio::time::timeout_at(deadline, slot.refill.lock()).await else {
+        let guard = tokio::time::timeout_at(deadline, slot.refill.lock()).await;
+        slot.waiting.fetch_sub(cost, Ordering::AcqRel);
+        let Ok(_guard) = guard else {
             return self.degraded(Some(&slot), key, now, cost);
         };
         // The refill we waited for may have brought enough tokens.
@@ -620,7 +755,8 @@ impl GlobalRule {
             .target
             .load(Ordering::Relaxed)
             .min(self.lease_cap(horizon));
-        let want = cost.saturating_sub(held).max(target.saturating_sub(held));
+        let queued = cost + slot.waiting.load(Ordering::Acquire);
+        let want = queued.saturating_sub(held).max(target.saturating_sub(held));
         let mut op = self.op(field, group, want, 0, 0, false);
         op.force = slot.debt.swap(0, Ordering::AcqRel);
         op.ahead_ms = Self::ahead_ms(horizon);
@@ -629,7 +765,7 @@ impl GlobalRule {
         match self.call_for_slot(&slot, op, now, timeout).await {
             Ok(r) => {
                 let now = now.saturating_add(started.elapsed().as_nanos() as Nanos);
-                slot.credit(&r, want, now, self.runtime.settings.lease_until(now));
+                self.credit(&slot, &r, want, now);
                 if let Some(d) = self.spend(&slot, now, cost) {
                     return LocalOutcome::Decided(d);
                 }
@@ -661,7 +797,11 @@ impl GlobalRule {
             return;
         }
         let (field, group) = self.field_for(key);
-        let slot = if self.strict { None } else { self.slot(&field) };
+        let slot = if self.exact() {
+            None
+        } else {
+            self.slot(&field)
+        };
         let Some(slot) = slot else {
             return self.settle_remote(field, group, delta);
         };
@@ -824,6 +964,9 @@ impl GlobalRule {
     /// Plans this rule's part of a sync round: returns and top-ups per key, and drops keys that
     /// went idle (returning their tokens).
     pub fn plan_sync(&self, now: Nanos, plan: &mut Vec<(Arc<Slot>, LeaseOp)>) {
+        if self.exact() {
+            return self.plan_exact(now, plan);
+        }
         let horizon = self.horizon();
         let round = RoundPlan {
             now,
@@ -836,6 +979,24 @@ impl GlobalRule {
             shard
                 .lock()
                 .retain(|_, slot| self.plan_slot(slot, &round, plan));
+        }
+    }
+
+    /// A sync round in exact mode: leases held from before the switch (membership grew past
+    /// the Auto threshold) go back, and keys whose rejection has expired are dropped.
+    fn plan_exact(&self, now: Nanos, plan: &mut Vec<(Arc<Slot>, LeaseOp)>) {
+        for shard in &self.shards {
+            shard.lock().retain(|_, slot| {
+                let give = slot.tokens.swap(0, Ordering::AcqRel) + slot.take_pending(u64::MAX);
+                let owed = slot.debt.swap(0, Ordering::AcqRel);
+                if give > 0 || owed > 0 {
+                    let window = slot.window.load(Ordering::Relaxed);
+                    let mut op = self.op(slot.field, slot.group, 0, give, window, false);
+                    op.force = owed;
+                    plan.push((Arc::clone(slot), op));
+                }
+                now < slot.blocked_until.load(Ordering::Acquire)
+            });
         }
     }
 
@@ -857,7 +1018,18 @@ impl GlobalRule {
         let worth_returning = idle || (held > 2 * target && held - target >= MIN_RETURN);
         // A target of 1 (no recurring demand) is never topped up: a key seen once costs one
         // call.
-        let top_up = target > 1 && held * 2 < target;
+        // A window key Redis found full asks again once its refill time has come.
+        let refill_at = slot.refill_at.load(Ordering::Relaxed);
+        let refilled = refill_at != 0 && refill_at <= round.now && held < target;
+        if refilled {
+            slot.refill_at.store(0, Ordering::Relaxed);
+        } else if refill_at > round.now {
+            // Still waiting: keep the sync's wake-up (the round cleared it).
+            self.runtime
+                .next_refill
+                .fetch_min(refill_at, Ordering::AcqRel);
+        }
+        let top_up = target > 1 && (held * 2 < target || refilled);
         if held > target && worth_returning {
             // Spendable tokens first, then the latest pending ones (the end of the schedule).
             let excess = held - target;
@@ -889,8 +1061,8 @@ impl GlobalRule {
 
     /// What a key should hold through the next horizon (0: idle; 1: no recurring demand, so
     /// no top-up). Demand (admitted and refused here since the last plan) is projected over
-    /// the horizon with half again as headroom. The projection discounts one request and
-    /// measures at least a quarter of the horizon: a new key's first request a few
+    /// the horizon with half again as headroom. A single request is not projected, and the
+    /// span measured is at least a quarter of the horizon: a new key's first request a few
     /// milliseconds before a sync is no rate, and extrapolating it leased dozens of tokens to
     /// every key seen once. A target shrinks at most by half per round so a short lull does
     /// not empty a hot key; never more than `lease_cap`.
@@ -912,7 +1084,10 @@ impl GlobalRule {
         }
         let horizon = round.horizon_for(slot);
         let span = since.max(round.horizon / 4).max(1);
-        let projected = (u128::from(demand - 1) * u128::from(horizon) / u128::from(span))
+        // One request is no rate; two or more are projected in full (a hot key within its
+        // quota must not run dry before the top-up lands, least of all when Redis is slow).
+        let counted = if demand > 1 { demand } else { 0 };
+        let projected = (u128::from(counted) * u128::from(horizon) / u128::from(span))
             .min(u128::from(u64::MAX)) as u64;
         (projected + projected / 2 + 1)
             .max(previous / 2)
@@ -928,7 +1103,7 @@ impl GlobalRule {
     /// The caller signals `GlobalRuntime::synced` once the whole round is applied.
     pub fn finish_sync(&self, slot: &Slot, op: &LeaseOp, reply: Option<&LeaseReply>, now: Nanos) {
         match reply {
-            Some(r) => slot.credit(r, op.want, now, self.runtime.settings.lease_until(now)),
+            Some(r) => self.credit(slot, r, op.want, now),
             // The return did not reach Redis: keep the tokens (they were taken legitimately).
             None => {
                 slot.tokens.fetch_add(op.give_back, Ordering::AcqRel);

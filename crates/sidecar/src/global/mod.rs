@@ -33,6 +33,12 @@ struct PolicyLabels {
     policy: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RuleLabels {
+    policy: String,
+    rule: String,
+}
+
 /// Metrics of the global limiter.
 #[derive(Clone)]
 pub struct GlobalMetrics {
@@ -48,6 +54,8 @@ pub struct GlobalMetrics {
     pub fallback_admitted: Counter,
     live_sidecars: Family<PolicyLabels, Gauge>,
     pub leased_keys: Gauge,
+    exact_mode: Family<RuleLabels, Gauge>,
+    overadmission_bound: Family<RuleLabels, Gauge>,
 }
 
 impl GlobalMetrics {
@@ -65,6 +73,8 @@ impl GlobalMetrics {
             fallback_admitted: Counter::default(),
             live_sidecars: Family::default(),
             leased_keys: Gauge::default(),
+            exact_mode: Family::default(),
+            overadmission_bound: Family::default(),
         };
         let r = registry;
         r.register(
@@ -119,6 +129,16 @@ impl GlobalMetrics {
             m.live_sidecars.clone(),
         );
         r.register(
+            "global_rule_exact",
+            "1 while a global rule decides each request with one Redis call (Strict, or Auto with a share under 5 tokens), 0 while it leases",
+            m.exact_mode.clone(),
+        );
+        r.register(
+            "global_rule_overadmission_bound_tokens",
+            "Worst-case over-admission of a leased global rule: live sidecars times the largest allowance this sidecar holds for one key (what a burst after a quiet period can get on top of the bucket)",
+            m.overadmission_bound.clone(),
+        );
+        r.register(
             "leased_keys",
             "Keys with a local lease on this sidecar",
             m.leased_keys.clone(),
@@ -128,6 +148,25 @@ impl GlobalMetrics {
 
     pub fn redis_error(&self, kind: &'static str) {
         self.redis_errors.get_or_create(&KindLabels { kind }).inc();
+    }
+
+    /// The mode and over-admission bound of one global rule, refreshed every sync round.
+    pub fn set_rule_state(&self, g: &GlobalRule) {
+        let labels = RuleLabels {
+            policy: g.policy_id.clone(),
+            rule: g.rule_id.clone(),
+        };
+        let exact = g.exact();
+        self.exact_mode.get_or_create(&labels).set(i64::from(exact));
+        let bound = if exact {
+            0
+        } else {
+            g.largest_allowance()
+                .saturating_mul(u64::from(g.live_sidecars()))
+        };
+        self.overadmission_bound
+            .get_or_create(&labels)
+            .set(i64::try_from(bound).unwrap_or(i64::MAX));
     }
 
     pub fn set_live(&self, policy: &str, n: u32) {
@@ -173,8 +212,20 @@ pub async fn sync_loop(shared: Arc<Shared>, runtime: Arc<GlobalRuntime>, members
     let mut was_open = false;
     let mut last_round = tokio::time::Instant::now();
     loop {
+        // The next round: at the interval, or earlier when a window key gets room again.
+        let refill_at = runtime
+            .next_refill
+            .load(std::sync::atomic::Ordering::Acquire);
+        let mut next_round = last_round + interval;
+        if refill_at != u64::MAX {
+            let refill_in = Duration::from_nanos(refill_at.saturating_sub(shared.clock.now()));
+            if refill_in < interval {
+                let at = (tokio::time::Instant::now() + refill_in).max(last_round + min_spacing);
+                next_round = next_round.min(at);
+            }
+        }
         tokio::select! {
-            _ = tokio::time::sleep_until(last_round + interval) => {}
+            _ = tokio::time::sleep_until(next_round) => {}
             _ = runtime.wake.notified() => {
                 let earliest = last_round + min_spacing;
                 if tokio::time::Instant::now() < earliest {
@@ -237,6 +288,10 @@ pub async fn sync_loop(shared: Arc<Shared>, runtime: Arc<GlobalRuntime>, members
         }
 
         let now = shared.clock.now();
+        // Cleared before planning; replies of this round set it again.
+        runtime
+            .next_refill
+            .store(u64::MAX, std::sync::atomic::Ordering::Release);
         let mut plan = Vec::new();
         let mut owners = Vec::new();
         for (gi, (g, _)) in globals.iter().enumerate() {
@@ -248,6 +303,9 @@ pub async fn sync_loop(shared: Arc<Shared>, runtime: Arc<GlobalRuntime>, members
             .metrics
             .leased_keys
             .set(globals.iter().map(|(g, _)| g.leased_keys() as i64).sum());
+        for (g, _) in &globals {
+            runtime.metrics.set_rule_state(g);
+        }
         let ops: Vec<store::LeaseOp> = plan.iter().map(|(_, op)| op.clone()).collect();
         if open && ops.is_empty() && heartbeat_policies.is_empty() {
             probe(&runtime).await;
