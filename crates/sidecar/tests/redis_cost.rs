@@ -252,13 +252,16 @@ impl Row {
     }
 
     /// The saturated key's admitted count: within 1 % of its bucket once leases have ramped
-    /// up, and over the whole run never above it by more than 1 % nor below by more than the
-    /// ramp (about a tenth of a second of refill, once per key).
+    /// up (plus 5 tokens per sidecar: the window opens and closes while each sidecar holds a
+    /// reservation taken outside it), and over the whole run never above it by more than 1 %
+    /// nor below by more than the ramp (about a tenth of a second of refill, once per key).
     fn assert_accurate(&self) {
         let what = format!("{:?} with {} sidecars", self.load, self.sidecars);
-        let steady = self.sat_steady as f64 / self.sat_steady_expected;
+        let edges = 5.0 * self.sidecars as f64;
+        let steady = self.sat_steady as f64;
+        let expected = self.sat_steady_expected;
         assert!(
-            (0.99..=1.01).contains(&steady),
+            steady <= expected * 1.01 + edges && steady >= expected * 0.99 - edges,
             "{what}: admitted {} of {:.0} after the first second",
             self.sat_steady,
             self.sat_steady_expected
@@ -481,14 +484,15 @@ async fn redis_cost_table_for_3_and_20_sidecars() {
         std::fs::write(dir.join("redis-cost.md"), &table).expect("write the table");
         for r in &rows {
             // Per sidecar and second: one script call per sync interval (4) and a membership
-            // heartbeat every TTL/3 (0.6), with room for a new key's ramp-up; plus, for cold
-            // keys, one call each.
+            // heartbeat every TTL/3 (0.6), with room for a new key's ramp-up; per sidecar once,
+            // 10 for loading the script into a fresh Redis (NOSCRIPT, SCRIPT LOAD, the retry)
+            // and a new key's first calls; plus, for cold keys, one call each.
             let hot_keys = match r.load {
                 Load::HotUnderLimit | Load::Saturated => 1.0,
                 Load::ColdKeys => 0.1,
                 Load::Mix => 2.0,
             };
-            let fleet_budget = r.sidecars as f64 * 6.0 * hot_keys * r.secs;
+            let fleet_budget = r.sidecars as f64 * (6.0 * hot_keys * r.secs + 10.0);
             let bound = fleet_budget + r.cold_admitted as f64 * 1.02;
             assert!(
                 r.commands as f64 <= bound,
