@@ -859,7 +859,7 @@ pub fn lease_reply(data: &[u8]) {
 
 fn check_lease_reply(v: &redis::Value) {
     let expected = match v {
-        redis::Value::Array(items) if items.len() == 5 => {
+        redis::Value::Array(items) if items.len() == 6 => {
             let n: Option<Vec<u64>> = items
                 .iter()
                 .map(|i| match i {
@@ -873,6 +873,7 @@ fn check_lease_reply(v: &redis::Value) {
                 reset_ms: n[2],
                 retry_after_ms: n[3],
                 window: n[4],
+                ready_us: n[5],
             })
         }
         _ => None,
