@@ -169,10 +169,11 @@ fn global_rule_modes(
         .map(|r| {
             let capacity = r.capacity();
             let min = tollgate_crd::compiled::AUTO_MIN_SHARE;
+            let exact = tollgate_crd::compiled::decides_exactly(r.accuracy, capacity, n);
             let (mode, reason) = match r.accuracy {
                 Accuracy::Strict => ("Exact", "accuracy: Strict".to_string()),
                 Accuracy::Leased => ("Leased", "accuracy: Leased".to_string()),
-                Accuracy::Auto if capacity < min * n => (
+                Accuracy::Auto if exact => (
                     "Exact",
                     format!("Auto: {capacity} tokens over {n} sidecars is a share under {min}"),
                 ),

@@ -291,6 +291,17 @@ pub enum GlobalBackend {
 /// tokens (the sidecar's `AUTO_MIN_SHARE`).
 pub const AUTO_MIN_SHARE: u64 = 5;
 
+/// Whether a Global rule with `accuracy` and `capacity` decides each request with one Redis
+/// call while `sidecars` enforce it: `Strict`, or `Auto` with a share under
+/// [`AUTO_MIN_SHARE`]. The sidecar and the controller's status both decide with this.
+pub fn decides_exactly(accuracy: Accuracy, capacity: u64, sidecars: u64) -> bool {
+    match accuracy {
+        Accuracy::Strict => true,
+        Accuracy::Leased => false,
+        Accuracy::Auto => capacity < AUTO_MIN_SHARE * sidecars.max(1),
+    }
+}
+
 impl CompiledRule {
     /// The capacity a global bucket counts down from: the burst of a token bucket, the
     /// requests of a window.

@@ -344,10 +344,7 @@ impl GlobalRule {
     ) -> Result<GlobalRule, String> {
         let algorithm = algorithm_code(rule.limit.algorithm)
             .ok_or_else(|| format!("{}: {:?} cannot be global", rule.id, rule.limit.algorithm))?;
-        let capacity = match rule.limit.algorithm {
-            Algorithm::TokenBucket => rule.limit.burst,
-            _ => rule.limit.requests,
-        };
+        let capacity = rule.capacity();
         let fallback = Arc::new(KeyedLimiter::new(
             share_quota(rule, 1).map_err(|e| format!("{}: {e}", rule.id))?,
             store_config,
@@ -410,11 +407,11 @@ impl GlobalRule {
     /// Whether requests are decided by one atomic Redis call each rather than from leases:
     /// `Strict`, or `Auto` while this sidecar's share is below [`AUTO_MIN_SHARE`] tokens.
     pub fn exact(&self) -> bool {
-        match self.accuracy {
-            Accuracy::Strict => true,
-            Accuracy::Leased => false,
-            Accuracy::Auto => self.capacity < AUTO_MIN_SHARE * u64::from(self.live_sidecars()),
-        }
+        tollgate_crd::compiled::decides_exactly(
+            self.accuracy,
+            self.capacity,
+            u64::from(self.live_sidecars()),
+        )
     }
 
     /// The mode this rule runs in now and why, for `/debug/rules` and the metrics.
