@@ -331,59 +331,21 @@ async fn sentinel_failover_under_load_keeps_failure_modes_and_recovers() {
 }
 
 /// Three masters with one replica each, a short node timeout so a replica takes over quickly.
-struct ReplicatedCluster {
-    nodes: Vec<Redis>,
-}
+struct ReplicatedCluster(tollgate_testkit::RedisCluster);
 
 impl ReplicatedCluster {
     fn start() -> ReplicatedCluster {
-        let nodes: Vec<Redis> = (0..6)
-            .map(|_| {
-                Redis::start_on(
-                    free_port(),
-                    &["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"],
-                )
-            })
-            .collect();
-        let addrs: Vec<String> = nodes
-            .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port))
-            .collect();
-        let out = Command::new("redis-cli")
-            .args(["--cluster", "create"])
-            .args(&addrs)
-            .args(["--cluster-replicas", "1", "--cluster-yes"])
-            .output()
-            .expect("redis-cli --cluster create");
-        assert!(
-            out.status.success(),
-            "cluster create failed: {}",
-            String::from_utf8_lossy(&out.stdout)
-        );
-        let c = ReplicatedCluster { nodes };
-        wait_for("the cluster with replicas", Duration::from_secs(30), || {
-            c.nodes
-                .iter()
-                .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
-                && c.nodes
-                    .iter()
-                    .filter(|n| n.cli(&["ROLE"]).starts_with("slave"))
-                    .count()
-                    == 3
-                && c.nodes
-                    .iter()
-                    .filter(|n| n.cli(&["ROLE"]).starts_with("slave"))
-                    .all(|n| {
-                        n.cli(&["INFO", "replication"])
-                            .contains("master_link_status:up")
-                    })
-        });
-        c
+        ReplicatedCluster(tollgate_testkit::RedisCluster::start(
+            3,
+            1,
+            Duration::from_secs(1),
+        ))
     }
 
     /// The node serving `slot` as master.
     fn master_of(&self, slot: u16) -> usize {
-        self.nodes
+        self.0
+            .nodes
             .iter()
             .position(|n| {
                 n.cli(&["ROLE"]).starts_with("master")
@@ -402,23 +364,23 @@ async fn redis_cluster_failover_under_load_keeps_failure_modes_and_recovers() {
     within(150, async {
         let _serial = SERIAL.lock().await;
         let mut cluster = ReplicatedCluster::start();
-        let urls: Vec<String> = cluster.nodes.iter().map(Redis::url).collect();
-        let urls = urls.join(",");
+        let urls = cluster.0.urls();
         // One group: every bucket lives in `tg:{g0}`, so the test knows which master to kill.
         let (_upstream, sidecars) =
             start_sidecars(&["--redis", &urls, "--redis-cluster", "--redis-groups", "1"]).await;
         let load = Load::start(&sidecars);
         tokio::time::sleep(Duration::from_secs(3)).await;
-        let slot: u16 = cluster.nodes[0]
+        let slot: u16 = cluster.0.nodes[0]
             .cli(&["CLUSTER", "KEYSLOT", "tg:{g0}"])
             .trim()
             .parse()
             .expect("key slot");
         let victim = cluster.master_of(slot);
         let killed = load.now();
-        cluster.nodes[victim].kill();
+        cluster.0.nodes[victim].kill();
         let promoted = tokio::task::spawn_blocking({
             let ports: Vec<u16> = cluster
+                .0
                 .nodes
                 .iter()
                 .enumerate()

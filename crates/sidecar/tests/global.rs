@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -492,60 +491,11 @@ async fn slow_redis_keeps_hot_keys_fast_and_cold_keys_follow_their_mode() {
 }
 
 /// A three-master Redis Cluster on loopback.
-struct Cluster {
-    nodes: Vec<Redis>,
-}
-
-impl Cluster {
-    fn start() -> Cluster {
-        let mut nodes = Vec::new();
-        for _ in 0..3 {
-            let r = Redis::start_on(
-                free_port(),
-                &["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"],
-            );
-            nodes.push(r);
-        }
-        let addrs: Vec<String> = nodes
-            .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port))
-            .collect();
-        let out = Command::new("redis-cli")
-            .args(["--cluster", "create"])
-            .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .output()
-            .expect("redis-cli --cluster create");
-        assert!(
-            out.status.success(),
-            "cluster create failed: {}",
-            String::from_utf8_lossy(&out.stdout)
-        );
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !nodes
-            .iter()
-            .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
-        {
-            assert!(Instant::now() < deadline, "cluster did not become ok");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        Cluster { nodes }
-    }
-
-    fn urls(&self) -> String {
-        self.nodes
-            .iter()
-            .map(|n| n.url())
-            .collect::<Vec<_>>()
-            .join(",")
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn global_limit_holds_on_redis_cluster() {
     within(120, async {
         let _serial = SERIAL.lock().await;
-        let cluster = Cluster::start();
+        let cluster = tollgate_testkit::RedisCluster::start(3, 0, Duration::from_secs(2));
         let urls = cluster.urls();
         let (admitted, expected) = three_sidecar_run(
             &["--redis", &urls, "--redis-cluster"],

@@ -2,11 +2,13 @@
 //! loopback ports, `redis-server` processes stopped by PID, and a PKI made with the `openssl`
 //! binary. Test support only; never a dependency of a shipped binary.
 
+mod cluster;
 mod monitor;
 pub mod pki;
 mod redis;
 mod sentinel;
 
+pub use cluster::RedisCluster;
 pub use monitor::Monitor;
 pub use redis::Redis;
 pub use sentinel::Sentinel;
