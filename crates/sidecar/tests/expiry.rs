@@ -29,6 +29,8 @@ fn op(group: u32, id: u8, algorithm: u8, requests: u64, period_ms: u64, want: u6
         all_or_nothing: false,
         force: 0,
         ahead_ms: 0,
+        demand: 0,
+        share_ms: 0,
     }
 }
 

@@ -312,6 +312,8 @@ async fn redis_bytes_per_key(redis: &Redis, keys: u32, groups: u32) -> f64 {
             all_or_nothing: false,
             force: 0,
             ahead_ms: 0,
+            demand: 0,
+            share_ms: 0,
         }
     };
     store

@@ -23,6 +23,16 @@
 --          one call instead of coming back for each refill. The caller spends token k of such a
 --          grant no earlier than `ready_us - (granted - k) * T`: exactly when the bucket itself
 --          would have had it, so reserving ahead never admits a burst above the bucket's own.
+-- ARGV[12] demand: tokens requested at the calling sidecar (admitted and refused) since its
+--          last report (token buckets; 0: nothing to report)
+-- ARGV[13] share period in milliseconds: the interval sidecars report demand over (0: no
+--          demand-weighted share). While a bucket is contested (a call wants more than it
+--          holds), the fleet's reported demand is kept as a sliding window over this period in a
+--          second field (the bucket id and 'd'), and a call reaching ahead gets at most its part
+--          of one period's refill in proportion to its demand: the refill is split by demand
+--          instead of going to whichever sidecar syncs first, which parked the tokens of a whole
+--          horizon at one sidecar while the others refused requests. Refill left unclaimed
+--          stays in the bucket for the next caller.
 -- returns {granted, remaining, reset_ms, retry_after_ms, window, ready_us}: ready_us is how far
 --          after Redis's now the last granted token becomes conformant (0 when all are now)
 local key, field = KEYS[1], ARGV[1]
@@ -37,6 +47,8 @@ local all_or_nothing = ARGV[9] == '1'
 local force = tonumber(ARGV[10]) or 0
 local ahead_us = (tonumber(ARGV[11]) or 0) * 1000
 if all_or_nothing then ahead_us = 0 end
+local demand = tonumber(ARGV[12]) or 0
+local share_ms = tonumber(ARGV[13]) or 0
 
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -49,6 +61,54 @@ end
 
 local state = redis.call('HGET', key, field)
 local granted, remaining, reset_ms, retry_ms, window, ready_us = 0, 0, 0, 0, 0, 0
+
+-- This caller's demand-weighted part of one share period's refill of a contested bucket
+-- (`every_us`: microseconds per token), or nil when the bucket is not contested or no demand
+-- was reported. State: 'q<window end ms>,<period ms>,<current>,<previous>'.
+local function fair_share(every_us, contested, busy)
+  if demand <= 0 or share_ms <= 0 then return nil end
+  local dfield = field .. 'd'
+  local dstate = redis.call('HGET', key, dfield)
+  if not (busy or contested) then
+    -- A full bucket: nobody is short, forget the demand.
+    if dstate then redis.call('HDEL', key, dfield) end
+    return nil
+  end
+  if not (contested or dstate) then return nil end
+  -- Demand is measured over four share periods, so that the one or two reports of each
+  -- sidecar a one-period window would hold do not swing the estimate.
+  local span = 4 * share_ms
+  local win = math.floor(now_ms / span)
+  local win_end = (win + 1) * span
+  local cur, prev = 0, 0
+  if dstate then
+    local s_end, s_cur, s_prev = string.match(dstate, '^q(%d+),%d+,(%d+),(%d+)$')
+    s_end = tonumber(s_end)
+    if s_end == win_end then
+      cur, prev = tonumber(s_cur), tonumber(s_prev)
+    elseif s_end == win_end - span then
+      prev = tonumber(s_cur)
+    end
+  end
+  -- The fleet's demand over the last span, before this report: the caller's own reports of
+  -- that span are in it, this one would count its latest period twice.
+  local total = prev * (1 - (now_ms - win * span) / span) + cur
+  if total < demand then total = demand end
+  cur = cur + demand
+  redis.call('HSET', key, dfield, string.format('q%.0f,%.0f,%.0f,%.0f', win_end, span, cur, prev))
+  -- The caller's part of the fleet's demand, applied to the refill of a reach that grows
+  -- with the part. A grant is a run of consecutive tokens of the schedule, released at the
+  -- bucket's own rate; a sidecar with part p of the demand uses them at no less than p times
+  -- that rate, so at most (1 - p) of its run waits unused, refused elsewhere meanwhile.
+  -- Reaching one period / (1 - p) keeps that to one period's share, so small parts take
+  -- short runs and a sidecar with nearly all of the demand reserves its whole horizon in one
+  -- call.
+  local part = demand * (span / share_ms) / total
+  if part > 1 then part = 1 end
+  local reach_us = ahead_us
+  if part < 1 then reach_us = math.min(ahead_us, share_ms * 1000 / (1 - part)) end
+  return math.ceil(reach_us / every_us * part)
+end
 
 if algo == 1 then
   -- GCRA: tat is the theoretical arrival time in microseconds; the bucket is full when tat <= now.
@@ -70,6 +130,10 @@ if algo == 1 then
   -- What the bucket will have had by the end of the horizon (tokens conformant by then).
   local reachable = math.floor((ahead_us + tau - lag) / T + 1e-9)
   if reachable < available then reachable = available end
+  local fair = fair_share(T, want > available, lag > 0)
+  -- The share comes on top of what is conformant now: refill nobody claimed goes to the
+  -- next caller instead of overflowing the bucket.
+  if fair and available + fair < reachable then reachable = available + fair end
   if want > 0 then
     if want <= available then granted = want
     elseif not all_or_nothing then granted = math.min(want, reachable) end
@@ -85,7 +149,7 @@ if algo == 1 then
   end
   local tat = now_us + lag
   if tat <= now_us then
-    redis.call('HDEL', key, field)
+    redis.call('HDEL', key, field, field .. 'd')
   else
     redis.call('HSET', key, field, string.format('%.0f', math.ceil(tat)))
     keep_alive(reset_ms + 1000)
@@ -162,10 +226,10 @@ if now_us % 16 == 0 and redis.call('HLEN', key) > 64 then
     local v = all[i + 1]
     local first = string.sub(v, 1, 1)
     local dead = false
-    if first == 's' or first == 'f' then
+    if first == 's' or first == 'f' or first == 'q' then
       local e, p = string.match(v, '^.(%d+),(%d+)')
       e, p = tonumber(e), tonumber(p)
-      if first == 's' then dead = now_ms >= e + p else dead = now_ms >= e end
+      if first == 'f' then dead = now_ms >= e else dead = now_ms >= e + p end
     else
       dead = (tonumber(v) or 0) <= now_us
     end

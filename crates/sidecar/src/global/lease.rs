@@ -102,6 +102,12 @@ pub struct Slot {
     /// Demand refused here since the last plan (429s decided locally): a saturated key's
     /// admitted count is capped by the bucket and says nothing about how much it wants.
     denied: AtomicU64,
+    /// Of the demand (`spent` + `denied`) since the last plan, what a request-path call
+    /// already reported to Redis, so the sync reports only the rest.
+    reported: AtomicU64,
+    /// Demand planned but not yet reported (rounds without a call for the key): it rides
+    /// with the next call, so Redis sees all of a sidecar's demand however often it calls.
+    unreported: AtomicU64,
     /// Redis granted less than the last call asked for: the bucket, not the timing of syncs,
     /// limits this key, so an early sync would only cost a call.
     saturated: AtomicBool,
@@ -271,6 +277,15 @@ impl Slot {
         let taken = p.take_latest(n);
         self.next_unlock.store(p.next_unlock(), Ordering::Release);
         taken
+    }
+
+    /// When the last token granted ahead becomes spendable (0: none pending).
+    fn pending_until(&self) -> Nanos {
+        if self.next_unlock.load(Ordering::Acquire) == u64::MAX {
+            0
+        } else {
+            self.pending.lock().runs.back().map_or(0, |r| r.ready_at)
+        }
     }
 
     fn pending_count(&self) -> u64 {
@@ -460,16 +475,18 @@ impl GlobalRule {
     }
 
     /// The most one sidecar asks for a key per call. Windows: its share of the window, as
-    /// the window's whole limit is available at once. Token buckets: what the bucket can give
-    /// through the horizon (a full bucket plus the refill), so a sidecar carrying most of a
-    /// key's traffic keeps up with the refill in one call per interval; Redis grants only what
-    /// is there, so asking for more than the share parks nothing another sidecar could use.
+    /// the window's whole limit is available at once. Token buckets: its share of the burst
+    /// plus the refill through the horizon, so a sidecar carrying most of a key's traffic
+    /// keeps up with the refill in one call per interval, while a burst spread over several
+    /// sidecars is not drained by whichever of them planned first (parking tokens where a
+    /// third of the requests arrive: false 429s elsewhere). Requests queued together still
+    /// take what they need at once.
     fn lease_cap(&self, horizon: Nanos) -> u64 {
         if self.algorithm != 1 {
             return self.share();
         }
         let refill = (u128::from(horizon) / u128::from(self.step)).min(u128::from(u32::MAX));
-        self.capacity.saturating_add(refill as u64).max(1)
+        self.share().saturating_add(refill as u64).max(1)
     }
 
     fn ahead_ms(horizon: Nanos) -> u64 {
@@ -521,6 +538,8 @@ impl GlobalRule {
                 topping_up: AtomicBool::new(false),
                 denied: AtomicU64::new(0),
                 saturated: AtomicBool::new(false),
+                reported: AtomicU64::new(0),
+                unreported: AtomicU64::new(0),
                 pending: Mutex::new(Pending::new(self.step)),
                 next_unlock: AtomicU64::new(u64::MAX),
                 blocked_until: AtomicU64::new(0),
@@ -757,6 +776,9 @@ impl GlobalRule {
         let mut op = self.op(field, group, want, 0, 0, false);
         op.force = slot.debt.swap(0, Ordering::AcqRel);
         op.ahead_ms = Self::ahead_ms(horizon);
+        let seen = slot.spent.load(Ordering::Relaxed) + slot.denied.load(Ordering::Relaxed);
+        let fresh = seen.saturating_sub(slot.reported.swap(seen, Ordering::AcqRel));
+        self.report_demand(&mut op, fresh + slot.unreported.swap(0, Ordering::AcqRel));
         let owed = op.force;
         let started = std::time::Instant::now();
         match self.call_for_slot(&slot, op, now, timeout).await {
@@ -877,6 +899,8 @@ impl GlobalRule {
             all_or_nothing,
             force: 0,
             ahead_ms: 0,
+            demand: 0,
+            share_ms: 0,
         }
     }
 
@@ -1004,7 +1028,9 @@ impl GlobalRule {
         round: &RoundPlan,
         plan: &mut Vec<(Arc<Slot>, LeaseOp)>,
     ) -> bool {
-        let target = self.plan_target(slot, round);
+        let (target, demand) = self.plan_target(slot, round);
+        let demand = demand.saturating_sub(slot.reported.swap(0, Ordering::AcqRel));
+        slot.unreported.fetch_add(demand, Ordering::AcqRel);
         let idle = target == 0;
         slot.target.store(target.max(1), Ordering::Relaxed);
         let owed = slot.debt.swap(0, Ordering::AcqRel);
@@ -1026,7 +1052,13 @@ impl GlobalRule {
                 .next_refill
                 .fetch_min(refill_at, Ordering::AcqRel);
         }
-        let top_up = target > 1 && (held * 2 < target || refilled);
+        // A saturated key whose reservations reach past the next round skips this one: the
+        // schedule up to there is taken, so a call now would only get tokens after it, which
+        // the next round's call gets as well (Redis splits the refill by the demand reported,
+        // not by how often a sidecar asks).
+        let reserved_past_next = slot.saturated.load(Ordering::Relaxed)
+            && slot.pending_until() > round.now + round.horizon;
+        let top_up = target > 1 && (held * 2 < target || refilled) && !reserved_past_next;
         if held > target && worth_returning {
             // Spendable tokens first, then the latest pending ones (the end of the schedule).
             let excess = held - target;
@@ -1041,6 +1073,7 @@ impl GlobalRule {
             slot.topping_up.store(true, Ordering::Release);
             let mut op = self.op(slot.field, slot.group, target - held, 0, 0, false);
             op.ahead_ms = Self::ahead_ms(round.horizon_for(slot));
+            self.report_demand(&mut op, slot.unreported.swap(0, Ordering::AcqRel));
             plan.push((Arc::clone(slot), op));
         }
         if owed > 0 {
@@ -1063,7 +1096,8 @@ impl GlobalRule {
     /// milliseconds before a sync is no rate, and extrapolating it leased dozens of tokens to
     /// every key seen once. A target shrinks at most by half per round so a short lull does
     /// not empty a hot key; never more than `lease_cap`.
-    fn plan_target(&self, slot: &Slot, round: &RoundPlan) -> u64 {
+    /// Returns the target and the demand it was planned from.
+    fn plan_target(&self, slot: &Slot, round: &RoundPlan) -> (u64, u64) {
         let demand = slot.spent.swap(0, Ordering::AcqRel) + slot.denied.swap(0, Ordering::AcqRel);
         let since = round
             .now
@@ -1073,11 +1107,12 @@ impl GlobalRule {
             let unused_for = round
                 .now
                 .saturating_sub(slot.last_used.load(Ordering::Relaxed));
-            return if unused_for > round.idle_after {
+            let target = if unused_for > round.idle_after {
                 0
             } else {
                 (previous / 2).max(1)
             };
+            return (target, 0);
         }
         let horizon = round.horizon_for(slot);
         let span = since.max(round.horizon / 4).max(1);
@@ -1086,14 +1121,24 @@ impl GlobalRule {
         let counted = if demand > 1 { demand } else { 0 };
         let projected = (u128::from(counted) * u128::from(horizon) / u128::from(span))
             .min(u128::from(u64::MAX)) as u64;
-        (projected + projected / 2 + 1)
+        let target = (projected + projected / 2 + 1)
             .max(previous / 2)
             .min(if horizon > round.horizon {
                 round.saturated_cap
             } else {
                 round.cap
             })
-            .max(1)
+            .max(1);
+        (target, demand)
+    }
+
+    /// Token buckets report the key's demand with a call, so that Redis splits a contested
+    /// bucket's refill between sidecars by demand (see lease.lua).
+    fn report_demand(&self, op: &mut LeaseOp, demand: u64) {
+        if self.algorithm == 1 {
+            op.demand = demand;
+            op.share_ms = self.runtime.settings.sync_interval.as_millis() as u64;
+        }
     }
 
     /// Applies a sync reply (or failure) to the slot it was planned for.

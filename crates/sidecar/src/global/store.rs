@@ -403,6 +403,11 @@ pub struct LeaseOp {
     /// saturated key reserves its next interval in one call; the slot releases each such token
     /// at the time it becomes conformant (`LeaseReply::ready_us`).
     pub ahead_ms: u64,
+    /// Token buckets: requests seen at this sidecar (admitted and refused) since its last
+    /// report, so Redis splits a contested bucket's refill by demand (0: nothing to report).
+    pub demand: u64,
+    /// The period (ms) demand is reported over: the sync interval (0: no demand split).
+    pub share_ms: u64,
 }
 
 /// What the script answered.
@@ -799,7 +804,9 @@ impl Store {
             .arg(op.back_window)
             .arg(if op.all_or_nothing { 1 } else { 0 })
             .arg(op.force)
-            .arg(op.ahead_ms);
+            .arg(op.ahead_ms)
+            .arg(op.demand)
+            .arg(op.share_ms);
         inv
     }
 
