@@ -742,23 +742,29 @@ fn seed_scenario_slow_counter_store() {
     // Warm the hot keys: their first request is a cold one (and may meet the 5 ms timeout on a
     // busy machine), and a key seen once holds no lease (it costs one call, not a lease that
     // goes back), so each gets a few requests over more than a sync interval: recurring demand,
-    // which the next sync leases.
-    for port in &ports {
-        for (path, key) in [("/open", "hot-open"), ("/closed", "hot-closed")] {
-            let get = || {
-                cluster
-                    .client
-                    .get(format!("http://127.0.0.1:{port}{path}"))
-                    .header("x-api-key", key)
-                    .send()
-            };
-            wait("the hot key's first lease", Duration::from_secs(10), || {
-                get().is_ok_and(|r| r.status() == 200)
-            });
-            for _ in 0..15 {
-                std::thread::sleep(Duration::from_millis(25));
-                let _ = get();
-            }
+    // which the next sync leases. The rounds go over every sidecar and key together, right
+    // before the load: a key warmed first and then left idle for two sync intervals while the
+    // others warmed was dropped, and met the load cold.
+    let pairs: Vec<(u16, &str, &str)> = ports
+        .iter()
+        .flat_map(|&port| [(port, "/open", "hot-open"), (port, "/closed", "hot-closed")])
+        .collect();
+    let get = |&(port, path, key): &(u16, &str, &str)| {
+        cluster
+            .client
+            .get(format!("http://127.0.0.1:{port}{path}"))
+            .header("x-api-key", key)
+            .send()
+    };
+    for pair in &pairs {
+        wait("the hot key's first lease", Duration::from_secs(10), || {
+            get(pair).is_ok_and(|r| r.status() == 200)
+        });
+    }
+    for _ in 0..15 {
+        std::thread::sleep(Duration::from_millis(25));
+        for pair in &pairs {
+            let _ = get(pair);
         }
     }
     let load = Load::start(
