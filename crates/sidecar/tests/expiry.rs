@@ -203,3 +203,51 @@ async fn a_stopped_sidecar_leaves_redis_empty() {
     })
     .await;
 }
+
+/// A contested token bucket keeps the fleet's reported demand in a second field of its group,
+/// splits what a call may reserve ahead by it, and the field goes with the bucket once the
+/// bucket is full again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_contested_buckets_demand_is_split_and_then_forgotten() {
+    within(30, async {
+        let redis = Redis::start();
+        let store = Store::new(&redis.url(), false, 1).expect("store");
+        // 100 per second (one token every 10 ms), burst 10.
+        let contested = |want: u64, demand: u64| {
+            let mut o = op(0, 7, 1, 100, 1000, want);
+            o.burst = 10;
+            o.ahead_ms = 500;
+            o.demand = demand;
+            o.share_ms = 250;
+            o
+        };
+        let lease = |o: LeaseOp| {
+            let store = &store;
+            async move {
+                store
+                    .lease_batch(std::slice::from_ref(&o), TIMEOUT)
+                    .await
+                    .expect("lease")[0]
+            }
+        };
+        let group = store.group_key(0);
+        // Uncontested: the whole burst, no demand kept.
+        assert_eq!(lease(contested(10, 10)).await.granted, 10);
+        assert_eq!(redis.cli(&["HLEN", &group]).trim(), "1");
+        // The first sidecar to report is all of the demand seen: it may reserve its horizon.
+        assert_eq!(lease(contested(20, 90)).await.granted, 20);
+        assert_eq!(redis.cli(&["HLEN", &group]).trim(), "2", "the demand field");
+        // A sidecar with a tenth of the demand gets its part of the refill (about 20 of the
+        // 30 still reachable), not all it asks for.
+        let small = lease(contested(30, 10)).await;
+        assert!(
+            (1..30).contains(&small.granted),
+            "a small part of the demand got {small:?}"
+        );
+        // Full again (everything granted is due within 0.6 s): the next call drops both fields.
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        lease(contested(0, 0)).await;
+        assert_eq!(dbsize(&redis), 0, "{:?}", keys(&redis));
+    })
+    .await;
+}

@@ -13,7 +13,8 @@
 //! The rule uses the default `accuracy: Auto`: leased while each sidecar's share of the
 //! capacity is at least 5 tokens, exact per request below. Over-admission stays within 1 % of
 //! the limit (the tokens the bucket allowed over the run) everywhere, false 429s within 1 % in
-//! exact mode and within 8 % while leased. The table goes to docs/global-limits.md.
+//! exact mode; while leased within 4 % over the run and 2 % after its first 3 s (the steady
+//! part, once the first burst is spent). The table goes to docs/global-limits.md.
 
 mod common;
 
@@ -58,6 +59,9 @@ struct Row {
     admitted: u64,
     false_429: u64,
     over: u64,
+    /// False 429s after `STEADY_FROM_S`, and what the bucket allowed over that span.
+    steady_false_429: u64,
+    steady_allowed: f64,
     other: u64,
 }
 
@@ -79,7 +83,13 @@ fn bucket_policy(rate: f64) -> String {
     )
 }
 
-/// Judges the run against an exact token bucket; returns (false 429s, over-admissions).
+/// When the steady part of a run begins: every load has spent its first burst by then (1.5×
+/// the refill drains a full bucket in 2 s), so false 429s after it are what leasing keeps
+/// losing, not the one-time cost of reaching saturation.
+const STEADY_FROM_S: f64 = 3.0;
+
+/// Judges the run against an exact token bucket; returns (false 429s, over-admissions, false
+/// 429s after `STEADY_FROM_S`).
 ///
 /// - False 429s: requests refused beyond what the exact bucket, fed the same arrivals, would
 ///   have refused, up to `until`. Which requests of an instant get the tokens is arbitrary (a
@@ -88,15 +98,25 @@ fn bucket_policy(rate: f64) -> String {
 ///   lost.
 /// - Over-admission: admissions while a bucket debited by the actual admissions held no
 ///   token (outside the tolerance): what the limit let through beyond itself, at any moment.
-fn judge(samples: &mut [Sample], keys: usize, rate: f64, capacity: f64, until: f64) -> (u64, u64) {
+fn judge(
+    samples: &mut [Sample],
+    keys: usize,
+    rate: f64,
+    capacity: f64,
+    until: f64,
+) -> (u64, u64, u64) {
     samples.sort_by(|a, b| a.key.cmp(&b.key).then(a.at.total_cmp(&b.at)));
-    let (mut false_429, mut over) = (0u64, 0u64);
+    let (mut false_429, mut over, mut steady_false) = (0u64, 0u64, 0u64);
     let slack = TOLERANCE_S * rate;
     for key in 0..keys {
         let (mut exact, mut actual) = (capacity, capacity);
         let mut last = 0.0f64;
         let (mut exact_admitted, mut admitted) = (0u64, 0u64);
+        let mut lost_before_steady = None;
         for s in samples.iter().filter(|s| s.key == key && s.at <= until) {
+            if s.at >= STEADY_FROM_S && lost_before_steady.is_none() {
+                lost_before_steady = Some(exact_admitted.saturating_sub(admitted));
+            }
             let refill = (s.at - last) * rate;
             last = s.at;
             exact = (exact + refill).min(capacity);
@@ -113,9 +133,11 @@ fn judge(samples: &mut [Sample], keys: usize, rate: f64, capacity: f64, until: f
                 actual -= 1.0;
             }
         }
-        false_429 += exact_admitted.saturating_sub(admitted);
+        let lost = exact_admitted.saturating_sub(admitted);
+        false_429 += lost;
+        steady_false += lost.saturating_sub(lost_before_steady.unwrap_or(lost));
     }
-    (false_429, over)
+    (false_429, over, steady_false)
 }
 
 /// Sends `send` requests on key `key` to sidecar `target` at `at` (offset from `t0`), records
@@ -238,7 +260,8 @@ async fn run_row(sidecars: &[Sidecar], row: usize, share: f64, load: Load, dur: 
     let allowed = keys as f64 * (capacity + rate * span);
     // Leases end with tokens reserved for the next horizon: the last half second is not judged
     // for refusals (what the fleet would have admitted there depends on requests after it).
-    let (false_429, over) = judge(&mut samples, keys, rate, capacity, span - 0.5);
+    let until = span - 0.5;
+    let (false_429, over, steady_false_429) = judge(&mut samples, keys, rate, capacity, until);
     if std::env::var_os("TOLLGATE_SMALL_DEBUG").is_some() {
         for s in &samples {
             eprintln!(
@@ -259,18 +282,20 @@ async fn run_row(sidecars: &[Sidecar], row: usize, share: f64, load: Load, dur: 
         admitted: samples.iter().filter(|s| s.admitted).count() as u64,
         false_429,
         over,
+        steady_false_429,
+        steady_allowed: keys as f64 * rate * (until - STEADY_FROM_S).max(0.0),
         other,
     }
 }
 
 fn table(rows: &[Row]) -> String {
     let mut out = String::from(
-        "| sidecars | share (tokens per sidecar per interval) | load | keys | mode | admitted / allowed | false 429s | over-admitted |\n|---|---|---|---|---|---|---|---|\n",
+        "| sidecars | share (tokens per sidecar per interval) | load | keys | mode | admitted / allowed | false 429s | of which after 3 s (of that span's refill) | over-admitted |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let pct = |n: u64| n as f64 * 100.0 / r.allowed.max(1.0);
         out.push_str(&format!(
-            "| {} | {} | {:?} | {} | {} | {} / {:.0} | {} ({:.2} %) | {} ({:.2} %) |\n",
+            "| {} | {} | {:?} | {} | {} | {} / {:.0} | {} ({:.2} %) | {} ({:.2} %) | {} ({:.2} %) |\n",
             r.sidecars,
             r.share,
             r.load,
@@ -280,6 +305,8 @@ fn table(rows: &[Row]) -> String {
             r.allowed,
             r.false_429,
             pct(r.false_429),
+            r.steady_false_429,
+            r.steady_false_429 as f64 * 100.0 / r.steady_allowed.max(1.0),
             r.over,
             pct(r.over)
         ));
@@ -352,9 +379,17 @@ async fn small_limits_have_few_false_429s_and_no_over_admission() {
                 r.allowed
             );
             // Exact mode (Auto below a share of 5 tokens): within 1 % of the limit. Leased
-            // rules lose up to a few percent while leases ramp up and follow each sidecar's
-            // demand (documented in docs/global-limits.md); a regression beyond that fails.
-            let bound = if r.mode == "exact" { 0.01 } else { 0.08 };
+            // rules lose a one-time 1-2 % when a key reaches saturation (the tokens then in
+            // flight at sidecars: docs/global-limits.md) and nothing measurable after it; the
+            // bounds catch a regression in either.
+            let bound = if r.mode == "exact" { 0.01 } else { 0.04 };
+            assert!(
+                r.steady_false_429 as f64 <= 0.02 * r.steady_allowed + 1.0,
+                "{what}: {} false 429s after {STEADY_FROM_S} s of {:.0} allowed then ({})",
+                r.steady_false_429,
+                r.steady_allowed,
+                r.mode
+            );
             assert!(
                 r.false_429 as f64 <= bound * r.allowed + 1.0,
                 "{what}: {} false 429s of {:.0} allowed ({})",
