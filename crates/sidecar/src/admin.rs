@@ -161,7 +161,7 @@ fn route(
                 .map(|e| {
                     serde_json::json!({
                         "rule": e.rule,
-                        "keyHash": format!("{:016x}", e.key_hash),
+                        "keyHash": crate::identity::display(e.identity),
                         "key": e.key,
                         "rejected": e.count,
                         "maxOvercount": e.error,

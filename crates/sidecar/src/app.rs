@@ -74,6 +74,16 @@ pub async fn run(
         ),
     };
 
+    let identity = match &args.key_hash_secret_file {
+        Some(path) => crate::identity::KeyIdentity::load_or_create(path)
+            .map_err(|e| anyhow::anyhow!("--key-hash-secret-file: {e}"))?,
+        None => {
+            tracing::info!(
+                "no --key-hash-secret-file: key hashes in audit lines and top keys hold for this process only"
+            );
+            crate::identity::KeyIdentity::per_process().map_err(|e| anyhow::anyhow!(e))?
+        }
+    };
     let metrics = Metrics::new();
     let shared = Arc::new(Shared::new(
         ProxyConfig {
@@ -84,7 +94,7 @@ pub async fn run(
             shadow_header: args.shadow_header,
         },
         metrics,
-        AuditLog::new(args.audit_per_second, args.audit_raw_keys),
+        AuditLog::new(args.audit_per_second, args.audit_raw_keys, identity),
     )?);
     let store = StoreConfig {
         max_keys: args.max_keys_per_rule,

@@ -1,36 +1,65 @@
 //! The rejection audit log: one structured JSON line per rejected request, for support triage.
 //!
-//! It is itself rate limited (a fixed number of lines per second, the rest counted in
-//! `tollgate_audit_suppressed_total`) so that a flood of rejected requests cannot flood the log.
-//! Keys are logged as a keyed hash unless raw keys are explicitly enabled: counter keys are API
-//! keys, user ids and addresses, which log pipelines should not collect by default.
+//! It is itself rate limited (a fixed number of lines per second): lines past the allowance are
+//! counted in `tollgate_audit_suppressed_total`, and the next line written says how many were
+//! suppressed before it, so a flood shows up in the log as a number instead of vanishing.
+//! Keys appear as their stable identity (`crate::identity`: the same in every pod of an
+//! installation and across restarts) unless raw keys are explicitly enabled: counter keys are
+//! API keys, user ids and addresses, which log pipelines should not collect by default.
 
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use tollgate_limiter::{Clock, MonotonicClock};
 
+use crate::identity::KeyIdentity;
+use crate::keys::ClientAddr;
 use crate::metrics::Metrics;
 use crate::rules::{ActiveRule, Rejection};
 
 pub struct AuditLog {
     per_second: u64,
     raw_keys: bool,
+    identity: KeyIdentity,
     /// Most-rejected keys, for `/debug/top-keys`.
     pub top: crate::topkeys::TopKeys,
     /// High 32 bits: the current second; low 32 bits: lines written in it.
     window: AtomicU64,
+    /// Lines suppressed since the last line written.
+    suppressed: AtomicU64,
     clock: MonotonicClock,
 }
 
+/// What an audit line says about the request, borrowed from it: the line is built only when
+/// it fits the allowance.
+pub struct RejectedRequest<'a> {
+    pub policy: &'a str,
+    pub method: &'a http::Method,
+    pub path: &'a str,
+    pub headers: &'a http::HeaderMap,
+    pub peer: &'a SocketAddr,
+    /// `X-Forwarded-For` entries trusted for the client address (the rule's, else the
+    /// policy's bypass setting).
+    pub trusted_hops: u32,
+    pub span: Option<&'a tracing::Span>,
+}
+
 impl AuditLog {
-    pub fn new(per_second: u64, raw_keys: bool) -> AuditLog {
+    pub fn new(per_second: u64, raw_keys: bool, identity: KeyIdentity) -> AuditLog {
         AuditLog {
             per_second,
             raw_keys,
+            identity,
             top: crate::topkeys::TopKeys::default(),
             window: AtomicU64::new(0),
+            suppressed: AtomicU64::new(0),
             clock: MonotonicClock::new(),
         }
+    }
+
+    /// Where key identities come from (never the secret).
+    pub fn identity_source(&self) -> &str {
+        &self.identity.source
     }
 
     /// Whether one more line fits in this second's allowance.
@@ -57,24 +86,49 @@ impl AuditLog {
         }
     }
 
-    pub fn rejected(&self, rule: &ActiveRule, rejection: &Rejection, metrics: &Metrics) {
+    /// Counts a rejection in the top keys and writes its line if the allowance has room.
+    pub fn rejected(
+        &self,
+        rule: &ActiveRule,
+        rejection: &Rejection,
+        request: &RejectedRequest<'_>,
+        metrics: &Metrics,
+    ) {
         let limited = &rejection.limited;
         self.top.record(&rule.rule.id, limited.key_hash, || {
-            self.raw_keys.then(|| printable(&rejection.key))
+            (
+                self.identity.of(&rejection.key),
+                self.raw_keys.then(|| printable(&rejection.key)),
+            )
         });
         if !self.admit() {
             metrics.audit_suppressed.inc();
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
             return;
         }
         let raw = self.raw_keys.then(|| printable(&rejection.key));
+        let client =
+            match crate::keys::client_ip_in(request.headers, request.peer, request.trusted_hops) {
+                ClientAddr::Peer(ip) | ClientAddr::Forwarded(ip) => ip.to_string(),
+                ClientAddr::Unparsed(text) => text.to_string(),
+            };
+        let trace_id = crate::telemetry::trace_id(request.span, request.headers);
         tracing::info!(
             target: "tollgate::audit",
             event = "rejected",
+            policy = request.policy,
             rule = %rule.rule.id,
-            key_hash = %format_args!("{:016x}", limited.key_hash),
+            decision = "rejected",
+            status = 429u16,
+            key_hash = %crate::identity::display(self.identity.of(&rejection.key)),
             key = raw.as_deref(),
+            method = %request.method,
+            path = request.path,
+            client = %client,
+            trace_id = trace_id.as_deref(),
             limit = limited.decision.limit,
             retry_after_ms = limited.decision.retry_after / 1_000_000,
+            suppressed_before = self.suppressed.swap(0, Ordering::Relaxed),
             "request rejected"
         );
     }
@@ -97,7 +151,7 @@ mod tests {
 
     #[test]
     fn at_most_n_lines_per_second() {
-        let log = AuditLog::new(5, false);
+        let log = AuditLog::new(5, false, KeyIdentity::per_process().unwrap());
         let admitted = (0..100).filter(|_| log.admit()).count();
         // The test may straddle a second boundary once.
         assert!((5..=10).contains(&admitted), "{admitted}");

@@ -38,6 +38,17 @@ pub enum Command {
         #[command(flatten)]
         replay: crate::replay::ReplayArgs,
     },
+    /// Print the stable identity (`key_hash` in audit lines and top keys) of a counter key,
+    /// so support can find one client in the logs of every pod without raw keys being logged.
+    KeyHash {
+        /// The installation's key-hash secret (as given to the sidecars).
+        #[arg(long, env = "TOLLGATE_KEY_HASH_SECRET_FILE")]
+        secret_file: PathBuf,
+        /// The key's parts in the rule's `key` order, e.g. the API key. A `clientIp` part is
+        /// hashed as the address's bytes, not as text: give it as `ip:<address>`.
+        #[arg(required = true)]
+        parts: Vec<String>,
+    },
     /// Run the sidecar enforcing manifests/examples/demo-local.yaml (5 requests per 10 s per
     /// client) in front of a built-in upstream that answers 200, for trying tollgate out.
     Demo {
@@ -117,6 +128,14 @@ pub struct RunArgs {
     /// hash. Off by default: keys are often credentials or personal data.
     #[arg(long, env = "TOLLGATE_AUDIT_RAW_KEYS", default_value_t = false)]
     pub audit_raw_keys: bool,
+
+    /// Secret under which counter keys get their stable identity (the `key_hash` of audit
+    /// lines and top keys, an HMAC-SHA256): the same file in every pod of an installation
+    /// gives a client the same identity everywhere and across restarts. A path that does not
+    /// exist yet gets a generated secret (mode 0600). Without it, identities hold for this
+    /// process only. See docs/operations.md (rotating it).
+    #[arg(long, env = "TOLLGATE_KEY_HASH_SECRET_FILE")]
+    pub key_hash_secret_file: Option<PathBuf>,
 
     /// How long SIGTERM waits for in-flight requests before closing connections.
     #[arg(long, env = "TOLLGATE_DRAIN_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
@@ -311,6 +330,33 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     tollgate_crd::duration::parse(s).map_err(|e| e.to_string())
 }
 
+/// `key-hash`: prints the identity of the key made of `parts`.
+fn key_hash(secret_file: &std::path::Path, parts: &[String]) -> std::process::ExitCode {
+    let identity = match crate::identity::KeyIdentity::read(secret_file) {
+        Ok(i) => i,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let mut bytes: Vec<Vec<u8>> = Vec::with_capacity(parts.len());
+    for part in parts {
+        match part.strip_prefix("ip:") {
+            Some(addr) => match addr.parse::<std::net::IpAddr>() {
+                Ok(std::net::IpAddr::V4(v4)) => bytes.push(v4.octets().to_vec()),
+                Ok(std::net::IpAddr::V6(v6)) => bytes.push(v6.octets().to_vec()),
+                Err(_) => {
+                    eprintln!("error: {part:?} is not an address (ip:<address>)");
+                    return std::process::ExitCode::from(2);
+                }
+            },
+            None => bytes.push(part.as_bytes().to_vec()),
+        }
+    }
+    println!("{}", crate::identity::display(identity.of_parts(&bytes)));
+    std::process::ExitCode::SUCCESS
+}
+
 /// Entry point of the binary.
 pub fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
@@ -327,6 +373,7 @@ pub fn main() -> std::process::ExitCode {
                 check(&paths)
             }
         }
+        Some(Command::KeyHash { secret_file, parts }) => key_hash(&secret_file, &parts),
         Some(Command::Demo { listen, admin }) => {
             let mut args = cli.run;
             args.listen = listen;

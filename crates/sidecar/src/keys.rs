@@ -12,7 +12,7 @@ use http::request::Parts;
 use tollgate_crd::compiled::KeySource;
 
 /// Separates key parts so that `("ab","c")` and `("a","bc")` never share a bucket.
-const PART_SEPARATOR: u8 = 0x1f;
+pub const PART_SEPARATOR: u8 = 0x1f;
 /// Largest JWT (in bytes) whose payload is decoded; larger tokens count as missing.
 const MAX_JWT_BYTES: usize = 8 * 1024;
 
@@ -24,12 +24,21 @@ const MAX_JWT_BYTES: usize = 8 * 1024;
 /// client and can say anything; they are never used. With fewer entries than `trusted_hops` the
 /// request did not pass through the expected proxies and the peer address is used.
 pub fn client_ip<'a>(parts: &'a Parts, peer: &SocketAddr, trusted_hops: u32) -> ClientAddr<'a> {
+    client_ip_in(&parts.headers, peer, trusted_hops)
+}
+
+/// [`client_ip`] from the request headers alone.
+pub fn client_ip_in<'a>(
+    headers: &'a http::HeaderMap,
+    peer: &SocketAddr,
+    trusted_hops: u32,
+) -> ClientAddr<'a> {
     if trusted_hops == 0 {
         return ClientAddr::Peer(peer.ip());
     }
     let mut remaining = trusted_hops as usize;
     // Later header lines were appended later, so walk lines and entries from the right.
-    for line in parts.headers.get_all("x-forwarded-for").iter().rev() {
+    for line in headers.get_all("x-forwarded-for").iter().rev() {
         let Ok(text) = line.to_str() else {
             return ClientAddr::Peer(peer.ip());
         };

@@ -10,6 +10,7 @@ pub mod cli;
 pub mod config;
 pub mod controller;
 pub mod global;
+pub mod identity;
 pub mod keys;
 pub mod metrics;
 pub mod proxy;

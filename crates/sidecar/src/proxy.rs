@@ -241,8 +241,14 @@ fn rejection_seed(rules: &RuleSet, verdict: &Verdict, parts: &Parts, peer: &Sock
         (None, Some(ri)) => (ri, 0),
         (None, None) => return 0,
     };
+    keys::client_seed(parts, peer, trusted_hops(rules, rule), key_hash)
+}
+
+/// The `X-Forwarded-For` entries trusted for the client address of a rule's requests: the
+/// rule's `clientIp` key, else its policy's bypass setting.
+fn trusted_hops(rules: &RuleSet, rule: usize) -> u32 {
     let active = &rules.rules[rule];
-    let hops = active
+    active
         .rule
         .key
         .iter()
@@ -250,8 +256,7 @@ fn rejection_seed(rules: &RuleSet, verdict: &Verdict, parts: &Parts, peer: &Sock
             KeySource::ClientIp { trusted_hops } => Some(*trusted_hops),
             _ => None,
         })
-        .unwrap_or(rules.policies[active.policy].compiled.bypass.trusted_hops);
-    keys::client_seed(parts, peer, hops, key_hash)
+        .unwrap_or(rules.policies[active.policy].compiled.bypass.trusted_hops)
 }
 
 async fn handle_inner(
@@ -296,8 +301,20 @@ async fn handle_inner(
         return local(response::unavailable(&rules, &verdict, ri, seed));
     }
     if let Some(rejection) = &verdict.rejected {
-        let rule = &rules.rules[rejection.limited.rule];
-        shared.audit.rejected(rule, rejection, &shared.metrics);
+        let ri = rejection.limited.rule;
+        let rule = &rules.rules[ri];
+        let request = crate::audit::RejectedRequest {
+            policy: &rules.policies[rule.policy].id,
+            method: req.method(),
+            path: req.uri().path(),
+            headers: req.headers(),
+            peer: &peer,
+            trusted_hops: trusted_hops(&rules, ri),
+            span,
+        };
+        shared
+            .audit
+            .rejected(rule, rejection, &request, &shared.metrics);
         return local(response::too_many_requests(&rules, &verdict, seed));
     }
     if verdict.delay > 0 {

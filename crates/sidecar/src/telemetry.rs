@@ -132,3 +132,25 @@ pub fn inject(span: &Span, headers: &mut HeaderMap) {
         p.inject_context(&cx, &mut opentelemetry_http::HeaderInjector(headers))
     });
 }
+
+/// The trace id an audit line carries: the request span's when traces are on (it continues
+/// the caller's context or starts one), else the caller's `traceparent`, if well formed.
+pub fn trace_id(span: Option<&Span>, headers: &HeaderMap) -> Option<String> {
+    use opentelemetry::trace::TraceContextExt as _;
+    if let Some(span) = span {
+        let cx = span.context();
+        let id = cx.span().span_context().trace_id();
+        if id != opentelemetry::trace::TraceId::INVALID {
+            return Some(id.to_string());
+        }
+    }
+    let value = headers.get("traceparent")?.to_str().ok()?;
+    let mut fields = value.split('-');
+    let (_version, id) = (fields.next()?, fields.next()?);
+    let valid = id.len() == 32
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        && id.bytes().any(|b| b != b'0');
+    valid.then(|| id.to_string())
+}

@@ -14,7 +14,10 @@ pub const CAPACITY: usize = 64;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Entry {
     pub rule: String,
+    /// The per-process hash the sketch counts by.
     pub key_hash: u64,
+    /// The key's stable identity (`crate::identity`), shown to operators.
+    pub identity: u64,
     /// The raw key, only when `--audit-raw-keys` is set.
     pub key: Option<String>,
     pub count: u64,
@@ -29,8 +32,15 @@ pub struct TopKeys {
 }
 
 impl TopKeys {
-    /// Counts one rejection of `key_hash` by `rule`.
-    pub fn record(&self, rule: &str, key_hash: u64, key: impl FnOnce() -> Option<String>) {
+    /// Counts one rejection of `key_hash` by `rule`. `describe` gives the key's identity and
+    /// (with `--audit-raw-keys`) the raw key; it runs only when the key takes a counter, so a
+    /// key already counted costs no HMAC.
+    pub fn record(
+        &self,
+        rule: &str,
+        key_hash: u64,
+        describe: impl FnOnce() -> (u64, Option<String>),
+    ) {
         let mut entries = self.entries.lock();
         if let Some(e) = entries
             .iter_mut()
@@ -40,10 +50,12 @@ impl TopKeys {
             return;
         }
         if entries.len() < CAPACITY {
+            let (identity, key) = describe();
             entries.push(Entry {
                 rule: rule.to_string(),
                 key_hash,
-                key: key(),
+                identity,
+                key,
                 count: 1,
                 error: 0,
             });
@@ -51,10 +63,12 @@ impl TopKeys {
         }
         if let Some(min) = entries.iter_mut().min_by_key(|e| e.count) {
             let floor = min.count;
+            let (identity, key) = describe();
             *min = Entry {
                 rule: rule.to_string(),
                 key_hash,
-                key: key(),
+                identity,
+                key,
                 count: floor + 1,
                 error: floor,
             };
@@ -78,11 +92,11 @@ mod tests {
         let top = TopKeys::default();
         for i in 0..100_000u64 {
             // Two heavy hitters amid a flood of one-off keys.
-            top.record("r", 1, || None);
+            top.record("r", 1, || (0, None));
             if i % 2 == 0 {
-                top.record("r", 2, || None);
+                top.record("r", 2, || (0, None));
             }
-            top.record("r", 1_000 + i, || None);
+            top.record("r", 1_000 + i, || (0, None));
         }
         let snap = top.snapshot();
         assert!(snap.len() <= CAPACITY);
@@ -94,9 +108,9 @@ mod tests {
     #[test]
     fn rules_are_counted_apart() {
         let top = TopKeys::default();
-        top.record("a", 7, || Some("k".into()));
-        top.record("b", 7, || Some("k".into()));
-        top.record("a", 7, || Some("k".into()));
+        top.record("a", 7, || (7, Some("k".into())));
+        top.record("b", 7, || (7, Some("k".into())));
+        top.record("a", 7, || (7, Some("k".into())));
         let snap = top.snapshot();
         assert_eq!((snap[0].rule.as_str(), snap[0].count), ("a", 2));
         assert_eq!((snap[1].rule.as_str(), snap[1].count), ("b", 1));
