@@ -116,6 +116,7 @@ fn check_compiled(c: &CompiledPolicy) {
         policies: vec![c.clone()],
         members: Default::default(),
         epoch: "e".to_string(),
+        key_hash_secret: None,
     })
     .expect("a snapshot serializes");
     match parse_line(&line).expect("a snapshot line parses") {
@@ -788,6 +789,7 @@ fn arbitrary_snapshot_line(data: &[u8]) -> Option<Vec<u8>> {
         policies: vec![policy],
         members: Default::default(),
         epoch: "e".to_string(),
+        key_hash_secret: None,
     };
     let mut line = serde_json::to_vec(&msg).ok()?;
     line.push(b'\n');
@@ -818,6 +820,7 @@ fn stream_lines(data: &[u8]) {
                 policies,
                 members,
                 epoch,
+                ..
             } => {
                 if wire_version != tollgate_crd::WIRE_VERSION {
                     break;

@@ -315,6 +315,35 @@ def test_per_key_policy_answers_429_through_the_service():
     assert get(ip, 80, headers={"x-api-key": "customer-2"})[0] == 200
 
 
+def test_one_client_has_one_key_hash_in_every_pod():
+    """The controller filled the chart's key-hash Secret and streamed it: the rejections of
+    customer-1 above are logged under one key_hash in every pod that refused it, and
+    `tollgate-sidecar key-hash` with the Secret's value computes that same identity."""
+    import base64
+    import tempfile
+    value = base64.b64decode(kjson("get", "secret", "-n", SYSTEM_NS, f"{RELEASE}-key-hash")["data"]["secret"])
+    assert len(value) >= 32, "the controller fills the Secret with a 32-byte secret (hex)"
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(value)
+        f.flush()
+        binary = os.path.join(ROOT, "target", "debug", "tollgate-sidecar")
+        expected = run(binary, "key-hash", "--secret-file", f.name, "customer-1").stdout.strip()
+    seen = {}
+    for pod in pods(APP_NS, f"app={APP}"):
+        name = pod["metadata"]["name"]
+        for line in kubectl("logs", "-n", APP_NS, name, "-c", "tollgate-sidecar").stdout.splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if entry.get("target") == "tollgate::audit" and entry.get("rule") == f"{APP_NS}/shop-api-keys/per-api-key":
+                seen.setdefault(name, set()).add(entry["key_hash"])
+                assert entry["path"] == "/" and entry["status"] == 429 and entry["client"], entry
+    assert len(seen) >= 2, f"rejections logged by at least two pods: {seen}"
+    assert all(hashes == {expected} for hashes in seen.values()), (expected, seen)
+    print(f"MEASURE customer-1 is {expected} in the audit lines of {len(seen)} pods")
+
+
 GLOBAL_POLICY = shop_policy("shop-global", """
     - name: everyone
       match: {path: {prefix: /global}}
@@ -618,7 +647,8 @@ def test_uninstall_leaves_only_what_the_docs_say():
         "get", "lease", "-n", SYSTEM_NS, "-l", "tollgate.dev/membership-of")["items"], timeout=60)
     remaining = kubectl("get", "all,lease,secret,configmap,serviceaccount,role,rolebinding", "-n", SYSTEM_NS,
                         "-o", "name").stdout.split()
-    kept = {"secret/tollgate-webhook-tls", "configmap/kube-root-ca.crt", "serviceaccount/default"}
+    kept = {"secret/tollgate-webhook-tls", "secret/tollgate-key-hash", "configmap/kube-root-ca.crt",
+            "serviceaccount/default"}
     assert set(remaining) <= kept, remaining
     assert kubectl("get", "crd", "ratelimitpolicies.tollgate.dev", check=False).returncode == 0
     for kind in ["clusterrole", "clusterrolebinding", "mutatingwebhookconfiguration", "validatingwebhookconfiguration"]:

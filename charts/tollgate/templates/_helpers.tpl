@@ -62,6 +62,11 @@ app.kubernetes.io/component: controller
 {{ include "tollgate.fullname" . }}-webhook-tls
 {{- end }}
 
+{{/* Secret with the installation's key-hash secret (the controller fills it once). */}}
+{{- define "tollgate.keyHashSecretName" -}}
+{{ include "tollgate.fullname" . }}-key-hash
+{{- end }}
+
 {{/* DNS names the API server uses to reach the webhook Service. */}}
 {{- define "tollgate.webhookDNSNames" -}}
 {{- $svc := include "tollgate.controllerName" . -}}

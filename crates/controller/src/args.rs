@@ -74,6 +74,18 @@ pub struct Args {
     #[arg(long, env = "TOLLGATE_LEASE_NAMESPACE")]
     pub lease_namespace: Option<String>,
 
+    /// Secret (in the lease namespace) holding the installation's key-hash secret, which the
+    /// controller hands to every sidecar over the rule stream so that a client has one
+    /// identity (`key_hash`) in the audit lines and top keys of every pod. The chart creates
+    /// it empty; the controller fills it once with 32 random bytes and never changes it.
+    /// Empty: no secret (sidecars use per-process identities).
+    #[arg(
+        long,
+        env = "TOLLGATE_KEY_HASH_SECRET",
+        default_value = "tollgate-key-hash"
+    )]
+    pub key_hash_secret: String,
+
     /// How long the Lease stays valid without renewal.
     #[arg(long, env = "TOLLGATE_LEASE_DURATION", default_value = "15s", value_parser = parse_duration)]
     pub lease_duration: Duration,

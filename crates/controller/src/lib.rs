@@ -29,6 +29,7 @@
 pub mod args;
 pub mod auth;
 pub mod index;
+pub mod key_hash;
 pub mod leader;
 pub mod membership;
 pub mod metrics;

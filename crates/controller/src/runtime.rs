@@ -143,6 +143,20 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| client.default_namespace().to_string());
 
+    // The key-hash secret every snapshot carries.
+    let (key_hash_tx, key_hash_rx) = watch::channel(None);
+    if !args.key_hash_secret.is_empty() {
+        tokio::spawn(
+            crate::key_hash::follow(
+                client.clone(),
+                lease_namespace.clone(),
+                args.key_hash_secret.clone(),
+                key_hash_tx,
+            )
+            .instrument(tracing::info_span!("key_hash")),
+        );
+    }
+
     // Membership shared with the other replicas.
     let peers_task = if args.peer_membership {
         let peers = crate::peers::PeerConfig {
@@ -252,6 +266,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             unknown_pod_grace: args.unknown_pod_grace,
             shutdown_grace: args.shutdown_grace,
             plain_stream: args.plain_stream,
+            key_hash_secret: key_hash_rx,
         },
         ready_rx,
     );

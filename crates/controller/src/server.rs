@@ -65,6 +65,9 @@ pub struct ServerConfig {
     /// misconfigured with `http://` is refused before its token is reviewed, and only the TLS
     /// listener streams rules; health and metrics stay on the plain port either way.
     pub plain_stream: bool,
+    /// The installation's key-hash secret, once loaded (`crate::key_hash`): every snapshot
+    /// carries it, so sidecars in every namespace log a client under one identity.
+    pub key_hash_secret: watch::Receiver<Option<Arc<str>>>,
 }
 
 impl Default for ServerConfig {
@@ -74,6 +77,7 @@ impl Default for ServerConfig {
             unknown_pod_grace: DEFAULT_UNKNOWN_POD_GRACE,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             plain_stream: true,
+            key_hash_secret: watch::channel(None).1,
         }
     }
 }
@@ -348,6 +352,7 @@ impl Server {
             sent_version: None,
             sent_members: None,
             metrics: self.inner.metrics.clone(),
+            key_hash_secret: self.inner.config.key_hash_secret.clone(),
             _open: OpenStream::new(self.inner.metrics.clone()),
             _conn: conn,
         };
@@ -520,6 +525,7 @@ struct RuleStream {
     sent_version: Option<u64>,
     sent_members: Option<BTreeMap<String, u32>>,
     metrics: Arc<Metrics>,
+    key_hash_secret: watch::Receiver<Option<Arc<str>>>,
     _open: OpenStream,
     _conn: Connection,
 }
@@ -611,6 +617,7 @@ impl RuleStream {
             policies: cur.policies.iter().map(|p| (**p).clone()).collect(),
             members: cur.members,
             epoch: self.epoch.clone(),
+            key_hash_secret: self.key_hash_secret.borrow().as_deref().map(str::to_string),
         }
     }
 }

@@ -27,6 +27,11 @@ pub enum StreamMessage {
         members: BTreeMap<String, u32>,
         /// Identifies the controller process: versions are only comparable within one epoch.
         epoch: String,
+        /// The installation's key-hash secret (hex), under which sidecars compute the stable
+        /// identities of counter keys in audit lines and top keys; absent when the controller
+        /// has none. Not kept in the sidecar's rules cache.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        key_hash_secret: Option<String>,
     },
     /// Membership changed; rules did not.
     #[serde(rename_all = "camelCase")]

@@ -172,6 +172,7 @@ fn route(
         }
         "/debug/config" => json(&serde_json::json!({
             "version": shared.rules.load().version,
+            "keyIdentity": shared.audit.identity_source(),
             "configError": shared.config_error.load().as_deref(),
             // Secrets are never shown: the URL is redacted, files are named, not read.
             "redis": shared.global.get().map(|g| g.store.describe()),

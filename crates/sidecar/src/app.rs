@@ -78,9 +78,11 @@ pub async fn run(
         Some(path) => crate::identity::KeyIdentity::load_or_create(path)
             .map_err(|e| anyhow::anyhow!("--key-hash-secret-file: {e}"))?,
         None => {
-            tracing::info!(
-                "no --key-hash-secret-file: key hashes in audit lines and top keys hold for this process only"
-            );
+            if args.controller.is_none() {
+                tracing::info!(
+                    "no --key-hash-secret-file: key hashes in audit lines and top keys hold for this process only"
+                );
+            }
             crate::identity::KeyIdentity::per_process().map_err(|e| anyhow::anyhow!(e))?
         }
     };
@@ -94,7 +96,12 @@ pub async fn run(
             shadow_header: args.shadow_header,
         },
         metrics,
-        AuditLog::new(args.audit_per_second, args.audit_raw_keys, identity),
+        AuditLog::new(
+            args.audit_per_second,
+            args.audit_raw_keys,
+            identity,
+            args.key_hash_secret_file.is_some(),
+        ),
     )?);
     let store = StoreConfig {
         max_keys: args.max_keys_per_rule,

@@ -20,7 +20,13 @@ use crate::rules::{ActiveRule, Rejection};
 pub struct AuditLog {
     per_second: u64,
     raw_keys: bool,
-    identity: KeyIdentity,
+    /// Swapped when the controller hands out the installation's secret.
+    identity: arc_swap::ArcSwap<KeyIdentity>,
+    /// The identity came from `--key-hash-secret-file`: an explicit choice the controller's
+    /// secret does not override.
+    pinned: bool,
+    /// The controller's secret in use, so a snapshot repeating it changes nothing.
+    adopted: parking_lot::Mutex<Option<String>>,
     /// Most-rejected keys, for `/debug/top-keys`.
     pub top: crate::topkeys::TopKeys,
     /// High 32 bits: the current second; low 32 bits: lines written in it.
@@ -45,11 +51,13 @@ pub struct RejectedRequest<'a> {
 }
 
 impl AuditLog {
-    pub fn new(per_second: u64, raw_keys: bool, identity: KeyIdentity) -> AuditLog {
+    pub fn new(per_second: u64, raw_keys: bool, identity: KeyIdentity, pinned: bool) -> AuditLog {
         AuditLog {
             per_second,
             raw_keys,
-            identity,
+            identity: arc_swap::ArcSwap::from_pointee(identity),
+            pinned,
+            adopted: parking_lot::Mutex::new(None),
             top: crate::topkeys::TopKeys::default(),
             window: AtomicU64::new(0),
             suppressed: AtomicU64::new(0),
@@ -58,8 +66,29 @@ impl AuditLog {
     }
 
     /// Where key identities come from (never the secret).
-    pub fn identity_source(&self) -> &str {
-        &self.identity.source
+    pub fn identity_source(&self) -> String {
+        self.identity.load().source.clone()
+    }
+
+    /// Uses the installation's secret the controller streamed, unless identities were pinned
+    /// to a file. Keys already in the top-keys sketch keep the identity they were counted with.
+    pub fn adopt_controller_secret(&self, secret: &str) {
+        if self.pinned {
+            return;
+        }
+        let mut adopted = self.adopted.lock();
+        if adopted.as_deref() == Some(secret) {
+            return;
+        }
+        match KeyIdentity::from_secret(secret.as_bytes(), "the controller's key-hash Secret".into())
+        {
+            Ok(identity) => {
+                self.identity.store(std::sync::Arc::new(identity));
+                *adopted = Some(secret.to_string());
+                tracing::info!("key identities now follow the installation's key-hash secret");
+            }
+            Err(e) => tracing::warn!(error = %e, "ignoring the controller's key-hash secret"),
+        }
     }
 
     /// Whether one more line fits in this second's allowance.
@@ -95,9 +124,10 @@ impl AuditLog {
         metrics: &Metrics,
     ) {
         let limited = &rejection.limited;
+        let identity = self.identity.load();
         self.top.record(&rule.rule.id, limited.key_hash, || {
             (
-                self.identity.of(&rejection.key),
+                identity.of(&rejection.key),
                 self.raw_keys.then(|| printable(&rejection.key)),
             )
         });
@@ -120,7 +150,7 @@ impl AuditLog {
             rule = %rule.rule.id,
             decision = "rejected",
             status = 429u16,
-            key_hash = %crate::identity::display(self.identity.of(&rejection.key)),
+            key_hash = %crate::identity::display(identity.of(&rejection.key)),
             key = raw.as_deref(),
             method = %request.method,
             path = request.path,
@@ -151,7 +181,7 @@ mod tests {
 
     #[test]
     fn at_most_n_lines_per_second() {
-        let log = AuditLog::new(5, false, KeyIdentity::per_process().unwrap());
+        let log = AuditLog::new(5, false, KeyIdentity::per_process().unwrap(), false);
         let admitted = (0..100).filter(|_| log.admit()).count();
         // The test may straddle a second boundary once.
         assert!((5..=10).contains(&admitted), "{admitted}");

@@ -361,7 +361,11 @@ async fn stream_once(
                     policies,
                     members,
                     epoch: new_epoch,
+                    key_hash_secret,
                 } => {
+                    if let Some(secret) = &key_hash_secret {
+                        shared.audit.adopt_controller_secret(secret);
+                    }
                     if wire_version != tollgate_crd::WIRE_VERSION {
                         return Err(format!(
                             "controller speaks wire version {wire_version}, this sidecar {}",

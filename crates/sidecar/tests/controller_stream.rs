@@ -157,6 +157,7 @@ fn snapshot(version: u64, requests: u64) -> String {
         policies: vec![p],
         members: Default::default(),
         epoch: "e1".into(),
+        key_hash_secret: None,
     })
     .unwrap()
 }

@@ -32,6 +32,7 @@ fn config() -> ServerConfig {
         unknown_pod_grace: Duration::from_millis(300),
         shutdown_grace: Duration::from_secs(2),
         plain_stream: true,
+        ..ServerConfig::default()
     }
 }
 
@@ -182,6 +183,7 @@ fn snapshot(
             policies,
             members,
             epoch,
+            ..
         } => {
             assert_eq!(wire_version, WIRE_VERSION);
             (version, policies, members, epoch)
@@ -219,6 +221,41 @@ async fn stream_starts_with_snapshot_then_updates_on_change() {
     let ids: Vec<String> = policies.iter().map(|p| p.id()).collect();
     assert_eq!(ids, ["shop/extra", "shop/limits"]);
     assert_eq!(s.metrics.streams_open(), 1);
+}
+
+#[tokio::test]
+async fn snapshots_carry_the_key_hash_secret_once_loaded() {
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    let s = start(ServerConfig {
+        key_hash_secret: rx,
+        ..config()
+    })
+    .await;
+    let (_c, mut lines) = watch(s.addr, "namespace=shop&pod=api-1", API1).await;
+    let StreamMessage::Snapshot {
+        key_hash_secret, ..
+    } = lines.next().await
+    else {
+        panic!("expected a snapshot");
+    };
+    assert_eq!(
+        key_hash_secret, None,
+        "not loaded yet: the field is left out"
+    );
+    tx.send_replace(Some("0123456789abcdef0123456789abcdef".into()));
+    s.index
+        .write()
+        .apply_policy(input(&mk_policy("shop", "limits", "api", 20)));
+    let StreamMessage::Snapshot {
+        key_hash_secret, ..
+    } = lines.next().await
+    else {
+        panic!("expected a snapshot");
+    };
+    assert_eq!(
+        key_hash_secret.as_deref(),
+        Some("0123456789abcdef0123456789abcdef")
+    );
 }
 
 #[tokio::test]
