@@ -263,6 +263,19 @@ async fn run_row(sidecars: &[Sidecar], row: usize, share: f64, load: Load, dur: 
     let until = span - 0.5;
     let (false_429, over, steady_false_429) = judge(&mut samples, keys, rate, capacity, until);
     if std::env::var_os("TOLLGATE_SMALL_DEBUG").is_some() {
+        for sc in sidecars {
+            let m = sc.metrics(&c).await;
+            for l in m.lines().filter(|l| {
+                !l.starts_with('#')
+                    && (l.contains("fallback")
+                        || l.contains("redis_errors")
+                        || l.contains("lease_calls")
+                        || l.contains("decision=\"rejected\"")
+                        || l.contains("unavailable"))
+            }) {
+                eprintln!("  {l}");
+            }
+        }
         for s in &samples {
             eprintln!(
                 "{:.4} k{} {}",
