@@ -489,6 +489,27 @@ impl GlobalRule {
         self.share().saturating_add(refill as u64).max(1)
     }
 
+    /// Headroom a key asks for beyond what its queued requests need, limited to this
+    /// sidecar's part of what Redis last said the bucket held. A burst that hit every sidecar
+    /// projects its short, high rate into big targets; taken whole, the first sidecars to ask
+    /// drained the bucket and the burst's last requests at another found it empty while they
+    /// parked the tokens. Not limited: a saturated key, or a bucket down to less than
+    /// `AUTO_MIN_SHARE` tokens per sidecar, which is contested, and what a call gets then is
+    /// reserved ahead and split by demand in Redis (a part of a few tokens made every call
+    /// of a contested key ask for one token).
+    fn part_of_remaining(&self, slot: &Slot, headroom: u64) -> u64 {
+        let remaining = slot.global_remaining.load(Ordering::Relaxed);
+        let part = remaining / u64::from(self.live_sidecars());
+        if self.algorithm != 1
+            || remaining == u64::MAX
+            || part < AUTO_MIN_SHARE
+            || slot.saturated.load(Ordering::Relaxed)
+        {
+            return headroom;
+        }
+        headroom.min(part)
+    }
+
     fn ahead_ms(horizon: Nanos) -> u64 {
         horizon.div_ceil(NANOS_PER_MS)
     }
@@ -772,7 +793,9 @@ impl GlobalRule {
             .load(Ordering::Relaxed)
             .min(self.lease_cap(horizon));
         let queued = cost + slot.waiting.load(Ordering::Acquire);
-        let want = queued.saturating_sub(held).max(target.saturating_sub(held));
+        let want = queued
+            .saturating_sub(held)
+            .max(self.part_of_remaining(&slot, target.saturating_sub(held)));
         let mut op = self.op(field, group, want, 0, 0, false);
         op.force = slot.debt.swap(0, Ordering::AcqRel);
         op.ahead_ms = Self::ahead_ms(horizon);
@@ -1071,7 +1094,8 @@ impl GlobalRule {
             }
         } else if top_up {
             slot.topping_up.store(true, Ordering::Release);
-            let mut op = self.op(slot.field, slot.group, target - held, 0, 0, false);
+            let want = self.part_of_remaining(slot, target - held);
+            let mut op = self.op(slot.field, slot.group, want, 0, 0, false);
             op.ahead_ms = Self::ahead_ms(round.horizon_for(slot));
             self.report_demand(&mut op, slot.unreported.swap(0, Ordering::AcqRel));
             plan.push((Arc::clone(slot), op));
