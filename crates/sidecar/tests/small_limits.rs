@@ -395,8 +395,9 @@ async fn small_limits_have_few_false_429s_and_no_over_admission() {
             // rules lose a one-time 1-2 % when a key reaches saturation (the tokens then in
             // flight at sidecars: docs/global-limits.md) and next to nothing after it; the rows
             // of 1,200 tokens/s and more run near what this machine decides and spread wider
-            // from run to run (up to 7 % whole-run, 2.7 % after 3 s, measured). The bounds
-            // catch a regression beyond that spread.
+            // from run to run (seen: 2.7 % after 3 s once; bursts lost up to 7 % before their
+            // syncs were kept from draining the bucket). The bounds catch a regression beyond
+            // that spread.
             let bound = if r.mode == "exact" { 0.01 } else { 0.08 };
             assert!(
                 r.steady_false_429 as f64 <= 0.03 * r.steady_allowed + 1.0,
