@@ -27,12 +27,13 @@
 --          last report (token buckets; 0: nothing to report)
 -- ARGV[13] share period in milliseconds: the interval sidecars report demand over (0: no
 --          demand-weighted share). While a bucket is contested (a call wants more than it
---          holds), the fleet's reported demand is kept as a sliding window over this period in a
---          second field (the bucket id and 'd'), and a call reaching ahead gets at most its part
---          of one period's refill in proportion to its demand: the refill is split by demand
---          instead of going to whichever sidecar syncs first, which parked the tokens of a whole
---          horizon at one sidecar while the others refused requests. Refill left unclaimed
---          stays in the bucket for the next caller.
+--          holds), the fleet's reported demand is kept as a sliding window over four periods in
+--          a second field (the bucket id and 'd'), and a call reaching ahead gets at most its
+--          part of that demand applied to the refill of a reach that grows with the part (see
+--          fair_share): the refill is split by demand instead of going to whichever sidecar
+--          syncs first, which parked the tokens of a whole horizon at one sidecar while the
+--          others refused requests. Refill left unclaimed stays in the bucket for the next
+--          caller.
 -- returns {granted, remaining, reset_ms, retry_after_ms, window, ready_us}: ready_us is how far
 --          after Redis's now the last granted token becomes conformant (0 when all are now)
 local key, field = KEYS[1], ARGV[1]
@@ -64,7 +65,7 @@ local granted, remaining, reset_ms, retry_ms, window, ready_us = 0, 0, 0, 0, 0, 
 
 -- This caller's demand-weighted part of one share period's refill of a contested bucket
 -- (`every_us`: microseconds per token), or nil when the bucket is not contested or no demand
--- was reported. State: 'q<window end ms>,<period ms>,<current>,<previous>'.
+-- was reported. State: 'q<window end ms>,<span ms>,<current>,<previous>'.
 local function fair_share(every_us, contested, busy)
   if demand <= 0 or share_ms <= 0 then return nil end
   local dfield = field .. 'd'

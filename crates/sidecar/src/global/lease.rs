@@ -1081,7 +1081,12 @@ impl GlobalRule {
         // not by how often a sidecar asks).
         let reserved_past_next = slot.saturated.load(Ordering::Relaxed)
             && slot.pending_until() > round.now + round.horizon;
-        let top_up = target > 1 && (held * 2 < target || refilled) && !reserved_past_next;
+        // Below two thirds of the target a key holds less than a horizon's demand (the target
+        // has half again as headroom): top up now. At one half, a hot key on a slow Redis (a
+        // horizon of the interval plus three 50 ms round trips) held more than that at the
+        // start of a round, skipped it, and ran dry before the next one.
+        let low = held * 3 < target * 2;
+        let top_up = target > 1 && (low || refilled) && !reserved_past_next;
         if held > target && worth_returning {
             // Spendable tokens first, then the latest pending ones (the end of the schedule).
             let excess = held - target;
