@@ -261,6 +261,8 @@ pub async fn run(
         }
     };
     let mut held: Option<(String, u64)> = None; // (epoch, version)
+    // The rules last written to the cache, so membership changes can be written with them.
+    let mut saved: Option<(u64, Vec<tollgate_crd::CompiledPolicy>)> = None;
     let mut backoff = Backoff::new();
     let mut startup = Startup::new(config.rules_wait);
     loop {
@@ -270,6 +272,7 @@ pub async fn run(
             &shared,
             apply.as_ref(),
             &mut held,
+            &mut saved,
             &health,
         );
         tokio::pin!(attempt);
@@ -309,6 +312,7 @@ async fn stream_once(
     shared: &Shared,
     apply: &dyn Apply,
     held: &mut Option<(String, u64)>,
+    saved: &mut Option<(u64, Vec<tollgate_crd::CompiledPolicy>)>,
     health: &StreamHealth,
 ) -> Result<(), String> {
     let token = std::fs::read_to_string(&config.token_file)
@@ -394,6 +398,7 @@ async fn stream_once(
                             *held = Some((new_epoch, version));
                             // After the ack: the file sync must not delay propagation.
                             if let Some((cache, policies, members)) = to_save {
+                                *saved = Some((version, policies.clone()));
                                 save(cache, version, policies, members).await;
                             }
                         }
@@ -404,7 +409,17 @@ async fn stream_once(
                         }
                     }
                 }
-                StreamMessage::Members { members, .. } => apply.members(members),
+                StreamMessage::Members { members, .. } => {
+                    // The cache keeps the membership current too: a pod restarted from it
+                    // while the controller is away divides fail-open shares by the live count
+                    // it last heard of, not by the one of its last rules snapshot.
+                    if let (Some(cache), Some((version, policies))) =
+                        (&config.cache, saved.as_ref())
+                    {
+                        save(cache.clone(), *version, policies.clone(), members.clone()).await;
+                    }
+                    apply.members(members)
+                }
                 StreamMessage::Heartbeat { .. } => {}
             }
         }
