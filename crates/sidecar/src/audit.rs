@@ -125,11 +125,11 @@ impl AuditLog {
     ) {
         let limited = &rejection.limited;
         let identity = self.identity.load();
+        // One HMAC per rejection at most, for the sketch and the line alike.
+        let key_id = std::cell::OnceCell::new();
+        let key_id = || *key_id.get_or_init(|| identity.of(&rejection.key));
         self.top.record(&rule.rule.id, limited.key_hash, || {
-            (
-                identity.of(&rejection.key),
-                self.raw_keys.then(|| printable(&rejection.key)),
-            )
+            (key_id(), self.raw_keys.then(|| printable(&rejection.key)))
         });
         if !self.admit() {
             metrics.audit_suppressed.inc();
@@ -150,7 +150,7 @@ impl AuditLog {
             rule = %rule.rule.id,
             decision = "rejected",
             status = 429u16,
-            key_hash = %crate::identity::display(identity.of(&rejection.key)),
+            key_hash = %crate::identity::display(key_id()),
             key = raw.as_deref(),
             method = %request.method,
             path = request.path,

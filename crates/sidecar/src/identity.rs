@@ -65,8 +65,7 @@ impl KeyIdentity {
     /// replaced silently.
     pub fn load_or_create(path: &Path) -> Result<KeyIdentity, String> {
         let source = path.display().to_string();
-        match std::fs::read(path) {
-            Ok(bytes) => KeyIdentity::from_secret(bytes.trim_ascii(), source),
+        match std::fs::metadata(path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let secret = hex::encode(random_secret()?);
                 write_new_secret(path, secret.as_bytes())
@@ -74,7 +73,7 @@ impl KeyIdentity {
                 tracing::info!(path = %source, "generated a new key-hash secret");
                 KeyIdentity::from_secret(secret.as_bytes(), source)
             }
-            Err(e) => Err(format!("cannot read the key-hash secret {source}: {e}")),
+            _ => KeyIdentity::read(path),
         }
     }
 

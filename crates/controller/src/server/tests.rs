@@ -232,30 +232,29 @@ async fn snapshots_carry_the_key_hash_secret_once_loaded() {
     })
     .await;
     let (_c, mut lines) = watch(s.addr, "namespace=shop&pod=api-1", API1).await;
-    let StreamMessage::Snapshot {
-        key_hash_secret, ..
-    } = lines.next().await
-    else {
-        panic!("expected a snapshot");
-    };
     assert_eq!(
-        key_hash_secret, None,
+        key_hash_secret_of(lines.next().await),
+        None,
         "not loaded yet: the field is left out"
     );
     tx.send_replace(Some("0123456789abcdef0123456789abcdef".into()));
     s.index
         .write()
         .apply_policy(input(&mk_policy("shop", "limits", "api", 20)));
-    let StreamMessage::Snapshot {
-        key_hash_secret, ..
-    } = lines.next().await
-    else {
-        panic!("expected a snapshot");
-    };
     assert_eq!(
-        key_hash_secret.as_deref(),
+        key_hash_secret_of(lines.next().await).as_deref(),
         Some("0123456789abcdef0123456789abcdef")
     );
+}
+
+/// The key-hash secret a snapshot carries.
+fn key_hash_secret_of(m: StreamMessage) -> Option<String> {
+    match m {
+        StreamMessage::Snapshot {
+            key_hash_secret, ..
+        } => key_hash_secret,
+        other => panic!("expected a snapshot, got {other:?}"),
+    }
 }
 
 #[tokio::test]
