@@ -29,6 +29,7 @@ modver() { (cd "$HERE/$1" && go list -m -f '{{.Version}}' "$2"); }
 [ "$(modver etcd go.etcd.io/etcd/server/v3)" = "$ETCD_VERSION" ] || die "etcd/go.mod is not at $ETCD_VERSION"
 [ "$(modver helm helm.sh/helm/v3)" = "$HELM_VERSION" ] || die "helm/go.mod is not at $HELM_VERSION"
 [ "$(modver coredns github.com/coredns/coredns)" = "$COREDNS_VERSION" ] || die "coredns/go.mod is not at $COREDNS_VERSION"
+[ "$(modver prometheus github.com/prometheus/prometheus)" = "$PROMETHEUS_VERSION" ] || die "prometheus/go.mod is not at $PROMETHEUS_VERSION"
 
 CACHE=${K8SBIN_CACHE:-$ROOT/.cache/k8sbin}
 OUT="$CACHE/$K8S_VERSION-$ETCD_VERSION-$HELM_VERSION-$COREDNS_VERSION"
@@ -37,17 +38,18 @@ mkdir -p "$OUT"
 exec 9>"$OUT/.lock"
 flock 9
 
-# build <name> <module dir> <package> <ldflags>
+# build <name> <module dir> <package> <ldflags> [go build flags...]
 build() {
   local name=$1 dir=$2 pkg=$3 ldflags=$4
+  shift 4
   if [ -x "$OUT/$name" ]; then log "$name: cached"; return; fi
   log "$name: downloading modules ($dir)"
   local t0=$SECONDS
   (cd "$HERE/$dir" && "${NICE[@]}" go mod download) >&2
   local t1=$SECONDS
   log "$name: building $pkg (nice, this can take a while)"
-  (cd "$HERE/$dir" && "${NICE[@]}" go build -trimpath -pgo=off -ldflags "$ldflags" -o "$OUT/.$name.tmp" "$pkg") >&2
-  mv -f "$OUT/.$name.tmp" "$OUT/$name"
+  (cd "$HERE/$dir" && "${NICE[@]}" go build -trimpath -pgo=off "$@" -ldflags "$ldflags" -o "$OUT/$name.tmp" "$pkg") >&2
+  mv -f "$OUT/$name.tmp" "$OUT/$name"
   log "$name: done, download $((t1 - t0))s, build $((SECONDS - t1))s, $(stat -c %s "$OUT/$name") bytes"
 }
 
@@ -83,10 +85,25 @@ build helm helm helm.sh/helm/v3/cmd/helm "-s -w $HV"
 # CoreDNS with the plugins a cluster's DNS needs (coredns/main.go).
 build coredns coredns example.invalid/tollgate/k8sbin/coredns "-s -w"
 
+# Prometheus and promtool for the alert tests. The directory name above predates them, so
+# they live in a versioned subdirectory: a bump rebuilds these two and nothing else.
+# remove_all_sd drops the cloud service discoveries (the tests use static targets); the web
+# UI's assets are not embedded (the tests use the HTTP API only).
+PROM_OUT="prometheus-$PROMETHEUS_VERSION"
+mkdir -p "$OUT/$PROM_OUT"
+# The Go module v0.316.0 is Prometheus 3.16.0.
+PM=${PROMETHEUS_VERSION#v0.}; PM_PATCH=${PM#*.}; PM=${PM%%.*}
+PV="-X github.com/prometheus/common/version.Version=${PM:0:1}.${PM:1}.$PM_PATCH -X github.com/prometheus/common/version.Branch=module"
+build "$PROM_OUT/prometheus" prometheus github.com/prometheus/prometheus/cmd/prometheus "-s -w $PV" -tags remove_all_sd
+build "$PROM_OUT/promtool" prometheus github.com/prometheus/prometheus/cmd/promtool "-s -w $PV" -tags remove_all_sd
+ln -sfn "$PROM_OUT/prometheus" "$OUT/prometheus"
+ln -sfn "$PROM_OUT/promtool" "$OUT/promtool"
+
 log "versions:"
 "$OUT/kube-apiserver" --version >&2
 "$OUT/etcd" --version 2>&1 | sed -n 1p >&2   # not head: SIGPIPE + pipefail would fail the build
 "$OUT/helm" version --short >&2
 "$OUT/kubelet" --version >&2
 "$OUT/coredns" -version 2>&1 | sed -n 1p >&2
+"$OUT/prometheus" --version 2>&1 | sed -n 1p >&2
 echo "$OUT"
