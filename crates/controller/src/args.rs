@@ -109,6 +109,15 @@ pub struct Args {
     #[arg(long, env = "TOLLGATE_STATUS_MIN_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub status_min_interval: Duration,
 
+    /// The span of `status.topLimitedKeys`: sidecars' rejections are counted over this long.
+    #[arg(long, env = "TOLLGATE_TOP_KEYS_WINDOW", default_value = "10m", value_parser = parse_duration)]
+    pub top_keys_window: Duration,
+
+    /// How often the fleet's top limited keys are merged into status (and shared with peer
+    /// replicas); an unchanged list writes nothing.
+    #[arg(long, env = "TOLLGATE_TOP_KEYS_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    pub top_keys_interval: Duration,
+
     /// How long open streams get to close on shutdown.
     #[arg(long, env = "TOLLGATE_SHUTDOWN_GRACE", default_value = "5s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,

@@ -38,6 +38,7 @@ pub mod runtime;
 pub mod server;
 pub mod status;
 pub mod telemetry;
+pub mod top_keys;
 pub mod webhook;
 
 #[cfg(test)]

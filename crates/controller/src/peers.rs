@@ -20,6 +20,7 @@
 
 use std::collections::HashMap;
 use std::pin::pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -33,6 +34,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::index::{MembershipReport, SharedIndex};
+use crate::top_keys::{FleetTopKeys, Summary};
 
 /// The label that marks membership Leases; its value is the leader-election Lease name, so two
 /// installations in one namespace do not mix.
@@ -43,6 +45,9 @@ pub const LABEL: &str = "tollgate.dev/membership-of";
 pub const ANNOTATION: &str = "tollgate.dev/members";
 /// Largest report a peer's annotation may inflate to; anything bigger is refused.
 const MAX_INFLATED_BYTES: u64 = 64 * 1024 * 1024;
+/// The annotation holding this replica's top limited keys (`crate::top_keys::Summary`),
+/// encoded like the members annotation; absent while it has none.
+pub const TOP_KEYS_ANNOTATION: &str = "tollgate.dev/top-keys";
 /// How long membership changes are coalesced before the Lease is rewritten.
 pub const DEBOUNCE: Duration = Duration::from_millis(50);
 /// Annotations are limited to 256 KiB in total; past this a report is not published (logged).
@@ -84,10 +89,15 @@ impl PeerConfig {
 /// The Lease that carries `report` (server-side applied).
 /// A report as the annotation's value: gzipped JSON in base64.
 pub fn encode_report(report: &MembershipReport) -> std::io::Result<String> {
+    encode(report)
+}
+
+/// Any annotation value: gzipped JSON in base64.
+fn encode<T: serde::Serialize>(value: &T) -> std::io::Result<String> {
     use base64::Engine as _;
     use std::io::Write as _;
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
-    serde_json::to_writer(&mut gz, report)?;
+    serde_json::to_writer(&mut gz, value)?;
     gz.flush()?;
     Ok(base64::engine::general_purpose::STANDARD.encode(gz.finish()?))
 }
@@ -99,35 +109,52 @@ pub fn decode_report(value: &str) -> Result<MembershipReport, String> {
 }
 
 fn decode_report_within(value: &str, max_inflated: u64) -> Result<MembershipReport, String> {
+    decode(value, max_inflated, "members")
+}
+
+/// Reads a value written by [`encode`] (or plain JSON) whose name in errors is `what`.
+fn decode<T: serde::de::DeserializeOwned>(
+    value: &str,
+    max_inflated: u64,
+    what: &str,
+) -> Result<T, String> {
     use base64::Engine as _;
     use std::io::Read as _;
     if value.trim_start().starts_with('{') {
-        return serde_json::from_str(value).map_err(|e| format!("bad members annotation: {e}"));
+        return serde_json::from_str(value).map_err(|e| format!("bad {what} annotation: {e}"));
     }
     let gz = base64::engine::general_purpose::STANDARD
         .decode(value.trim())
-        .map_err(|e| format!("bad members annotation: not base64: {e}"))?;
+        .map_err(|e| format!("bad {what} annotation: not base64: {e}"))?;
     let mut json = Vec::new();
     flate2::read::GzDecoder::new(&gz[..])
         .take(max_inflated + 1)
         .read_to_end(&mut json)
-        .map_err(|e| format!("bad members annotation: not gzip: {e}"))?;
+        .map_err(|e| format!("bad {what} annotation: not gzip: {e}"))?;
     if json.len() as u64 > max_inflated {
         return Err(format!(
-            "bad members annotation: inflates past {max_inflated} bytes"
+            "bad {what} annotation: inflates past {max_inflated} bytes"
         ));
     }
-    serde_json::from_slice(&json).map_err(|e| format!("bad members annotation: {e}"))
+    serde_json::from_slice(&json).map_err(|e| format!("bad {what} annotation: {e}"))
 }
 
-pub fn lease_object(config: &PeerConfig, report: &MembershipReport) -> std::io::Result<Lease> {
-    let json = encode_report(report)?;
+pub fn lease_object(
+    config: &PeerConfig,
+    report: &MembershipReport,
+    top_keys: &Summary,
+) -> std::io::Result<Lease> {
+    let mut annotations =
+        std::collections::BTreeMap::from([(ANNOTATION.to_string(), encode_report(report)?)]);
+    if !top_keys.is_empty() {
+        annotations.insert(TOP_KEYS_ANNOTATION.to_string(), encode(top_keys)?);
+    }
     Ok(Lease {
         metadata: ObjectMeta {
             name: Some(config.lease_name()),
             namespace: Some(config.namespace.clone()),
             labels: Some([(LABEL.to_string(), config.group.clone())].into()),
-            annotations: Some([(ANNOTATION.to_string(), json)].into()),
+            annotations: Some(annotations),
             owner_references: config.owner_pod.as_ref().map(|(name, uid)| {
                 vec![OwnerReference {
                     api_version: "v1".into(),
@@ -179,18 +206,33 @@ pub fn read_lease(
     Ok(Some((holder, decode_report(json)?)))
 }
 
+/// A peer's top limited keys; none when it has no annotation.
+pub fn read_top_keys(lease: &Lease) -> Result<Summary, String> {
+    match lease
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(TOP_KEYS_ANNOTATION))
+    {
+        Some(value) => decode(value, MAX_REPORT_BYTES as u64 * 64, "top-keys"),
+        None => Ok(Summary::new()),
+    }
+}
+
 /// Publishes this replica's report until `shutdown`, then deletes its Lease.
 pub async fn publish(
     client: kube::Client,
     config: PeerConfig,
     index: SharedIndex,
+    top_keys: Arc<FleetTopKeys>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let api: Api<Lease> = Api::namespaced(client, &config.namespace);
     let name = config.lease_name();
     let params = PatchParams::apply("tollgate-controller-membership").force();
     let mut changes = index.read().changes_rx();
-    let mut written: Option<MembershipReport> = None;
+    let mut top_changes = top_keys.local();
+    let mut written: Option<(MembershipReport, Arc<Summary>)> = None;
     let mut renew_at = Instant::now();
     loop {
         if *shutdown.borrow() {
@@ -200,6 +242,7 @@ pub async fn publish(
             _ = changes.changed() => {
                 tokio::time::sleep(DEBOUNCE).await;
             }
+            _ = top_changes.changed() => {}
             () = tokio::time::sleep_until(renew_at) => {}
             res = shutdown.changed() => {
                 if res.is_err() || *shutdown.borrow() {
@@ -209,22 +252,34 @@ pub async fn publish(
             }
         }
         let report = index.read().membership_report();
-        if written.as_ref() == Some(&report) && Instant::now() < renew_at {
+        let top = top_changes.borrow_and_update().clone();
+        if written
+            .as_ref()
+            .is_some_and(|(r, t)| *r == report && *t == top)
+            && Instant::now() < renew_at
+        {
             continue;
         }
-        let lease = match lease_object(&config, &report) {
+        let lease = match lease_object(&config, &report, &top) {
             Ok(l) => l,
             Err(error) => {
                 tracing::error!(%error, "cannot encode the membership report");
                 continue;
             }
         };
-        let size = lease
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(ANNOTATION))
-            .map_or(0, String::len);
+        let mut lease = lease;
+        let size = annotations_size(&lease);
+        // Membership counts divide limits; top keys are only shown: drop those first.
+        if size > MAX_REPORT_BYTES
+            && let Some(a) = lease.metadata.annotations.as_mut()
+            && a.remove(TOP_KEYS_ANNOTATION).is_some()
+        {
+            tracing::warn!(
+                bytes = size,
+                "top limited keys too large for the membership Lease; peers will not see this replica's"
+            );
+        }
+        let size = annotations_size(&lease);
         if size > MAX_REPORT_BYTES {
             tracing::error!(
                 bytes = size,
@@ -237,7 +292,7 @@ pub async fn publish(
         match api.patch(&name, &params, &Patch::Apply(&lease)).await {
             Ok(_) => {
                 tracing::debug!(lease = %name, pods = report.pods(), "membership report published");
-                written = Some(report);
+                written = Some((report, top));
                 renew_at = Instant::now() + config.renew_every();
             }
             Err(error) => {
@@ -261,8 +316,21 @@ pub async fn publish(
     }
 }
 
+fn annotations_size(lease: &Lease) -> usize {
+    lease
+        .metadata
+        .annotations
+        .as_ref()
+        .map_or(0, |a| a.values().map(String::len).sum())
+}
+
 /// Merges the other replicas' reports into the index until the process ends.
-pub async fn follow(client: kube::Client, config: PeerConfig, index: SharedIndex) {
+pub async fn follow(
+    client: kube::Client,
+    config: PeerConfig,
+    index: SharedIndex,
+    top_keys: Arc<FleetTopKeys>,
+) {
     let api: Api<Lease> = Api::namespaced(client, &config.namespace);
     let selector = format!("{LABEL}={}", config.group);
     let mut stream =
@@ -280,12 +348,12 @@ pub async fn follow(client: kube::Client, config: PeerConfig, index: SharedIndex
                     Ok(Event::Apply(lease) | Event::InitApply(lease)) => {
                         let name = lease.metadata.name.clone().unwrap_or_default();
                         listing.push(name.clone());
-                        accept(&config, &index, &mut seen, name, &lease);
+                        accept(&config, &index, &top_keys, &mut seen, name, &lease);
                     }
                     Ok(Event::Delete(lease)) => {
                         let name = lease.metadata.name.clone().unwrap_or_default();
                         if let Some((holder, _, _)) = seen.remove(&name) {
-                            forget(&index, &seen, &holder, "left");
+                            forget(&index, &top_keys, &seen, &holder, "left");
                         }
                     }
                     Ok(Event::Init) => listing.clear(),
@@ -297,7 +365,7 @@ pub async fn follow(client: kube::Client, config: PeerConfig, index: SharedIndex
                             .collect();
                         for name in gone {
                             if let Some((holder, _, _)) = seen.remove(&name) {
-                                forget(&index, &seen, &holder, "left");
+                                forget(&index, &top_keys, &seen, &holder, "left");
                             }
                         }
                         listing.clear();
@@ -315,7 +383,7 @@ pub async fn follow(client: kube::Client, config: PeerConfig, index: SharedIndex
                     .collect();
                 for name in expired {
                     if let Some((holder, _, _)) = seen.remove(&name) {
-                        forget(&index, &seen, &holder, "expired");
+                        forget(&index, &top_keys, &seen, &holder, "expired");
                     }
                 }
             }
@@ -326,12 +394,17 @@ pub async fn follow(client: kube::Client, config: PeerConfig, index: SharedIndex
 fn accept(
     config: &PeerConfig,
     index: &SharedIndex,
+    top_keys: &FleetTopKeys,
     seen: &mut HashMap<String, (String, Instant, Duration)>,
     name: String,
     lease: &Lease,
 ) {
     match read_lease(lease, &config.identity, jiff_now()) {
         Ok(Some((holder, report))) => {
+            match read_top_keys(lease) {
+                Ok(summary) => top_keys.set_peer(&holder, summary),
+                Err(why) => tracing::warn!(lease = %name, %why, "ignoring a peer's top keys"),
+            }
             let ttl = Duration::from_secs(
                 lease
                     .spec
@@ -357,6 +430,7 @@ fn accept(
 /// Drops a replica's report unless another of its Leases is still live.
 fn forget(
     index: &SharedIndex,
+    top_keys: &FleetTopKeys,
     seen: &HashMap<String, (String, Instant, Duration)>,
     holder: &str,
     why: &str,
@@ -364,6 +438,7 @@ fn forget(
     if seen.values().any(|(h, _, _)| h == holder) {
         return;
     }
+    top_keys.forget_peer(holder);
     if index.write().remove_report(holder) {
         tracing::info!(replica = %holder, why, "peer replica left the membership");
     }
@@ -408,7 +483,7 @@ mod tests {
     #[test]
     fn the_lease_is_owned_by_the_replica_pod_when_known() {
         assert_eq!(
-            lease_object(&config("b"), &report())
+            lease_object(&config("b"), &report(), &Summary::new())
                 .unwrap()
                 .metadata
                 .owner_references,
@@ -418,7 +493,7 @@ mod tests {
             owner_pod: Some(("controller-b".into(), "uid-b".into())),
             ..config("b")
         };
-        let refs = lease_object(&owned, &report())
+        let refs = lease_object(&owned, &report(), &Summary::new())
             .unwrap()
             .metadata
             .owner_references;
@@ -431,7 +506,7 @@ mod tests {
 
     #[test]
     fn a_peer_lease_round_trips_and_our_own_is_skipped() {
-        let lease = lease_object(&config("b"), &report()).unwrap();
+        let lease = lease_object(&config("b"), &report(), &Summary::new()).unwrap();
         let now = Timestamp::now();
         let (holder, got) = read_lease(&lease, "a", now).unwrap().unwrap();
         assert_eq!(holder, "b");
@@ -440,8 +515,43 @@ mod tests {
     }
 
     #[test]
+    fn top_keys_ride_on_the_lease_only_when_there_are_some() {
+        let none = lease_object(&config("b"), &report(), &Summary::new()).unwrap();
+        assert!(
+            !none
+                .metadata
+                .annotations
+                .as_ref()
+                .unwrap()
+                .contains_key(TOP_KEYS_ANNOTATION)
+        );
+        assert_eq!(read_top_keys(&none).unwrap(), Summary::new());
+        let summary = Summary::from([(
+            "shop/limits".to_string(),
+            vec![tollgate_crd::policy::LimitedKey {
+                rule: "per-key".into(),
+                key_hash: "00000000000000aa".into(),
+                rejected: 9,
+                max_overcount: 0,
+                pods: vec!["api-0".into()],
+                pod_count: 1,
+            }],
+        )]);
+        let some = lease_object(&config("b"), &report(), &summary).unwrap();
+        assert_eq!(read_top_keys(&some).unwrap(), summary);
+        let mut bad = some.clone();
+        bad.metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert(TOP_KEYS_ANNOTATION.into(), "{not json".into());
+        let err = read_top_keys(&bad).unwrap_err();
+        assert!(err.contains("bad top-keys annotation"), "{err}");
+    }
+
+    #[test]
     fn stale_and_malformed_leases_are_ignored() {
-        let lease = lease_object(&config("b"), &report()).unwrap();
+        let lease = lease_object(&config("b"), &report(), &Summary::new()).unwrap();
         let later = Timestamp::now() + SignedDuration::from_secs(60);
         assert_eq!(read_lease(&lease, "a", later).unwrap(), None);
 

@@ -157,6 +157,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         );
     }
 
+    // The fleet's top limited keys, merged every interval.
+    let top_keys = crate::top_keys::FleetTopKeys::new(args.top_keys_window);
+    tokio::spawn(
+        Arc::clone(&top_keys)
+            .run(args.top_keys_interval, shutdown_rx.clone())
+            .instrument(tracing::info_span!("top_keys")),
+    );
+
     // Membership shared with the other replicas.
     let peers_task = if args.peer_membership {
         let peers = crate::peers::PeerConfig {
@@ -170,12 +178,23 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 .filter(|(name, uid)| !name.is_empty() && !uid.is_empty()),
         };
         tokio::spawn(
-            crate::peers::follow(client.clone(), peers.clone(), index.clone())
-                .instrument(tracing::info_span!("peers")),
+            crate::peers::follow(
+                client.clone(),
+                peers.clone(),
+                index.clone(),
+                Arc::clone(&top_keys),
+            )
+            .instrument(tracing::info_span!("peers")),
         );
         Some(tokio::spawn(
-            crate::peers::publish(client.clone(), peers, index.clone(), shutdown_rx.clone())
-                .instrument(tracing::info_span!("peers")),
+            crate::peers::publish(
+                client.clone(),
+                peers,
+                index.clone(),
+                Arc::clone(&top_keys),
+                shutdown_rx.clone(),
+            )
+            .instrument(tracing::info_span!("peers")),
         ))
     } else {
         None
@@ -219,7 +238,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         metrics.clone(),
         identity.clone(),
         args.status_min_interval,
-    );
+    )
+    .with_top_keys(Arc::clone(&top_keys));
     let status_task = tokio::spawn(
         writer
             .run(leader_rx, shutdown_rx.clone())
@@ -267,6 +287,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             shutdown_grace: args.shutdown_grace,
             plain_stream: args.plain_stream,
             key_hash_secret: key_hash_rx,
+            top_keys,
         },
         ready_rx,
     );

@@ -3,6 +3,7 @@
 //! - `GET /v1/watch?namespace=NS&pod=NAME[&since=VERSION&epoch=EPOCH]`: a long-lived
 //!   `application/x-ndjson` response of [`StreamMessage`]s for one pod.
 //! - `POST /v1/ack`: a sidecar reports the version it enforces ([`Ack`]).
+//! - `POST /v1/top-keys`: a sidecar reports the keys it rejected most ([`TopKeysReport`]).
 //! - `GET /healthz`, `GET /readyz`, `GET /metrics`.
 //!
 //! The protocol is specified in `docs/rule-stream.md`. Each stream reads its pod's watch channel
@@ -29,12 +30,13 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 use tollgate_crd::WIRE_VERSION;
-use tollgate_crd::stream::{Ack, StreamMessage};
+use tollgate_crd::stream::{Ack, StreamMessage, TopKeysReport};
 
 use crate::auth::{AuthError, Authenticator, Identity, authorize, bearer_token, same_incarnation};
 use crate::index::{AckError, PodRules, SharedIndex};
 use crate::membership::{self, Connection};
 use crate::metrics::{Metrics, OpenStream};
+use crate::top_keys::FleetTopKeys;
 
 /// How a request reached the server; the rule stream may be refused on [`Transport::Plain`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,6 +54,8 @@ pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(5);
 pub const DEFAULT_UNKNOWN_POD_GRACE: Duration = Duration::from_secs(2);
 /// Largest accepted ack body.
 const MAX_ACK_BYTES: usize = 64 * 1024;
+/// Largest accepted top-keys report (64 keys of about 150 bytes each, with room).
+const MAX_TOP_KEYS_BYTES: usize = 64 * 1024;
 /// How long open connections get to finish after streams are told to end.
 const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -68,6 +72,8 @@ pub struct ServerConfig {
     /// The installation's key-hash secret, once loaded (`crate::key_hash`): every snapshot
     /// carries it, so sidecars in every namespace log a client under one identity.
     pub key_hash_secret: watch::Receiver<Option<Arc<str>>>,
+    /// Where sidecars' top-keys reports are merged.
+    pub top_keys: Arc<FleetTopKeys>,
 }
 
 impl Default for ServerConfig {
@@ -78,6 +84,7 @@ impl Default for ServerConfig {
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             plain_stream: true,
             key_hash_secret: watch::channel(None).1,
+            top_keys: FleetTopKeys::new(crate::top_keys::DEFAULT_WINDOW),
         }
     }
 }
@@ -226,15 +233,17 @@ impl Server {
         let (endpoint, rsp) = match (req.method(), req.uri().path()) {
             (&Method::GET, "/v1/watch") if stream_refused => ("watch", tls_only()),
             (&Method::POST, "/v1/ack") if stream_refused => ("ack", tls_only()),
+            (&Method::POST, "/v1/top-keys") if stream_refused => ("top_keys", tls_only()),
             (&Method::GET, "/v1/watch") => ("watch", self.watch(req).await),
             (&Method::POST, "/v1/ack") => ("ack", self.ack(req).await),
+            (&Method::POST, "/v1/top-keys") => ("top_keys", self.top_keys(req).await),
             (&Method::GET | &Method::HEAD, "/healthz") => ("healthz", text(StatusCode::OK, "ok\n")),
             (&Method::GET | &Method::HEAD, "/readyz") => ("readyz", self.readyz()),
             (&Method::GET, "/metrics") => ("metrics", self.metrics()),
             (_, "/v1/watch" | "/healthz" | "/readyz" | "/metrics") => {
                 ("other", method_not_allowed("GET"))
             }
-            (_, "/v1/ack") => ("other", method_not_allowed("POST")),
+            (_, "/v1/ack" | "/v1/top-keys") => ("other", method_not_allowed("POST")),
             _ => (
                 "other",
                 problem(StatusCode::NOT_FOUND, "no such endpoint".to_string()),
@@ -413,16 +422,9 @@ impl Server {
             Ok(i) => i,
             Err(rsp) => return rsp,
         };
-        let body = match Limited::new(req.into_body(), MAX_ACK_BYTES).collect().await {
-            Ok(b) => b.to_bytes(),
-            Err(e) => {
-                let code = if e.is::<http_body_util::LengthLimitError>() {
-                    StatusCode::PAYLOAD_TOO_LARGE
-                } else {
-                    StatusCode::BAD_REQUEST
-                };
-                return problem(code, format!("cannot read the ack body: {e}"));
-            }
+        let body = match read_body(req.into_body(), MAX_ACK_BYTES, "ack").await {
+            Ok(b) => b,
+            Err(rsp) => return rsp,
         };
         let ack: Ack = match serde_json::from_slice(&body) {
             Ok(a) => a,
@@ -464,6 +466,61 @@ impl Server {
                 self.inner.metrics.ack("future_version");
                 problem(StatusCode::CONFLICT, e.to_string())
             }
+        }
+    }
+}
+
+impl Server {
+    /// `POST /v1/top-keys`: merged whole or refused whole (422 says why), so a sidecar that
+    /// sends keys of another namespace's policy counts for nothing.
+    async fn top_keys(&self, req: Request<Incoming>) -> Response<Body> {
+        let identity = match self.authenticate(&req).await {
+            Ok(i) => i,
+            Err(rsp) => return rsp,
+        };
+        let body = match read_body(req.into_body(), MAX_TOP_KEYS_BYTES, "top-keys").await {
+            Ok(b) => b,
+            Err(rsp) => return rsp,
+        };
+        let report: TopKeysReport = match serde_json::from_slice(&body) {
+            Ok(r) => r,
+            Err(e) => {
+                return problem(
+                    StatusCode::BAD_REQUEST,
+                    format!("invalid top-keys report: {e}"),
+                );
+            }
+        };
+        if let Err(why) = authorize(&identity, &report.namespace, &report.pod)
+            .and_then(|()| self.same_incarnation(&identity, &report.namespace, &report.pod))
+        {
+            return problem(StatusCode::FORBIDDEN, why);
+        }
+        match self.inner.config.top_keys.record(&report, Instant::now()) {
+            Ok(()) => {
+                let mut rsp = Response::new(empty());
+                *rsp.status_mut() = StatusCode::NO_CONTENT;
+                rsp
+            }
+            Err(why) => problem(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!("top-keys report refused: {why}"),
+            ),
+        }
+    }
+}
+
+/// Reads a small request body; too large is 413, broken is 400.
+async fn read_body(body: Incoming, max: usize, what: &str) -> Result<Bytes, Response<Body>> {
+    match Limited::new(body, max).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) => {
+            let code = if e.is::<http_body_util::LengthLimitError>() {
+                StatusCode::PAYLOAD_TOO_LARGE
+            } else {
+                StatusCode::BAD_REQUEST
+            };
+            Err(problem(code, format!("cannot read the {what} body: {e}")))
         }
     }
 }

@@ -8,6 +8,7 @@
 //! generation is rejected also gets one Warning Event per generation.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ObjectReference;
@@ -22,6 +23,7 @@ use tollgate_crd::{RateLimitPolicy, RateLimitPolicyStatus};
 
 use crate::index::{PolicyView, SharedIndex};
 use crate::metrics::Metrics;
+use crate::top_keys::FleetTopKeys;
 
 /// Field manager of every status write.
 pub const FIELD_MANAGER: &str = "tollgate-controller";
@@ -152,6 +154,8 @@ pub fn desired_status(
             .as_ref()
             .map(|c| global_rule_modes(c, total))
             .unwrap_or_default(),
+        // Filled from the fleet's reports by the writer (`crate::top_keys`).
+        top_limited_keys: None,
     }
 }
 
@@ -230,6 +234,7 @@ pub struct StatusWriter {
     min_interval: Duration,
     written: HashMap<Key, Written>,
     events_sent: HashSet<(Key, Option<i64>)>,
+    top_keys: Option<Arc<FleetTopKeys>>,
 }
 
 impl StatusWriter {
@@ -255,7 +260,14 @@ impl StatusWriter {
             min_interval,
             written: HashMap::new(),
             events_sent: HashSet::new(),
+            top_keys: None,
         }
+    }
+
+    /// Publishes the fleet's top limited keys in each policy's status too.
+    pub fn with_top_keys(mut self, top_keys: Arc<FleetTopKeys>) -> StatusWriter {
+        self.top_keys = Some(top_keys);
+        self
     }
 
     /// Runs until `shutdown` turns true or the index or leader channel goes away.
@@ -265,6 +277,7 @@ impl StatusWriter {
         mut shutdown: watch::Receiver<bool>,
     ) {
         let mut changes = self.index.read().changes_rx();
+        let mut top_keys = self.top_keys.as_ref().map(|t| t.published());
         let mut retry_at: Option<Instant> = None;
         let mut pending = true;
         loop {
@@ -277,6 +290,12 @@ impl StatusWriter {
                 };
                 tokio::select! {
                     r = changes.changed() => if r.is_err() { return },
+                    Some(r) = async {
+                        match top_keys.as_mut() {
+                            Some(rx) => Some(rx.changed().await),
+                            None => None,
+                        }
+                    } => if r.is_err() { return },
                     r = leader.changed() => if r.is_err() { return },
                     r = shutdown.changed() => if r.is_err() || *shutdown.borrow() { return },
                     () = retry => {}
@@ -293,6 +312,9 @@ impl StatusWriter {
             }
             tokio::time::sleep(DEBOUNCE).await;
             changes.borrow_and_update();
+            if let Some(rx) = top_keys.as_mut() {
+                rx.borrow_and_update();
+            }
             retry_at = self.sync_once().await;
         }
     }
@@ -324,7 +346,11 @@ impl StatusWriter {
                 .and_then(|w| w.status.as_ref())
                 .filter(|_| previous.is_some_and(|w| now.duration_since(w.at) < ECHO_WAIT))
                 .or(view.observed_status.as_ref());
-            let desired = desired_status(&view, base, &now_time);
+            let mut desired = desired_status(&view, base, &now_time);
+            desired.top_limited_keys = self
+                .top_keys
+                .as_ref()
+                .and_then(|t| t.of(&view.namespace, &view.name));
             if view.observed_status.as_ref() == Some(&desired) {
                 continue;
             }

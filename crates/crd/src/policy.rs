@@ -604,6 +604,42 @@ pub struct RateLimitPolicyStatus {
     /// Redis call per request), and why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub global_rules: Vec<GlobalRuleStatus>,
+    /// The keys this policy rejected most across every sidecar, merged by the controller from
+    /// the sidecars' reports and refreshed at most every `--top-keys-interval`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_limited_keys: Option<TopLimitedKeys>,
+}
+
+/// The most-rejected keys of a policy, fleet-wide.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TopLimitedKeys {
+    /// The span the counts cover, ending at `updated` (for example `10m`).
+    pub window: String,
+    /// When the controller merged these counts (RFC 3339).
+    pub updated: String,
+    /// Most rejected first; at most 10.
+    #[serde(default)]
+    pub keys: Vec<LimitedKey>,
+}
+
+/// One key of [`TopLimitedKeys`].
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LimitedKey {
+    /// The rule's name within the policy.
+    pub rule: String,
+    /// The key's stable identity (16 hex digits; `tollgate-sidecar key-hash` computes it).
+    pub key_hash: String,
+    /// Rejections counted for the key in the window.
+    pub rejected: u64,
+    /// At most this many of `rejected` may belong to other keys (the sketches' over-count).
+    pub max_overcount: u64,
+    /// Some of the pods that rejected it (at most 5).
+    #[serde(default)]
+    pub pods: Vec<String>,
+    /// How many pods rejected it (each replica counts up to 128).
+    pub pod_count: u32,
 }
 
 /// The mode a Global rule runs in (see `accuracy`).

@@ -54,6 +54,35 @@ pub struct Ack {
     pub epoch: String,
 }
 
+/// Body of `POST /v1/top-keys`: the keys one sidecar rejected most since its last report, for
+/// the controller's fleet-wide `status.topLimitedKeys`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct TopKeysReport {
+    pub namespace: String,
+    pub pod: String,
+    /// At most [`MAX_REPORTED_KEYS`].
+    pub keys: Vec<ReportedKey>,
+}
+
+/// One key of a [`TopKeysReport`], counted by the sidecar's Space-Saving sketch.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct ReportedKey {
+    /// `namespace/policy/rule`.
+    pub rule: String,
+    /// The key's stable identity, 16 hex digits.
+    pub key_hash: String,
+    /// Rejections since the last report.
+    pub rejected: u64,
+    /// How many of `rejected` may belong to keys this one displaced in the sketch.
+    #[serde(default)]
+    pub max_overcount: u64,
+}
+
+/// Most keys one report may carry (the sidecar's sketch holds 64).
+pub const MAX_REPORTED_KEYS: usize = 64;
+
 /// Longest line a sidecar accepts from the stream; a bigger message is a protocol error.
 pub const MAX_LINE_BYTES: usize = 4 * 1024 * 1024;
 

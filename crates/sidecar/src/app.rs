@@ -61,6 +61,7 @@ pub async fn run(
                 .context("--controller needs --pod-name (TOLLGATE_POD_NAME)")?,
             token_file: args.token_file.clone(),
             idle_timeout: args.controller_idle_timeout,
+            top_keys_interval: args.top_keys_report_interval,
             ca: controller_ca(&args)?,
             cache: args
                 .rules_cache

@@ -29,6 +29,10 @@ pub struct AuditLog {
     adopted: parking_lot::Mutex<Option<String>>,
     /// Most-rejected keys, for `/debug/top-keys`.
     pub top: crate::topkeys::TopKeys,
+    /// The same, since the last report to the controller (`crate::controller`), which drains
+    /// it; fed only once a reporter runs.
+    pub unreported: crate::topkeys::TopKeys,
+    reporting: std::sync::atomic::AtomicBool,
     /// High 32 bits: the current second; low 32 bits: lines written in it.
     window: AtomicU64,
     /// Lines suppressed since the last line written.
@@ -59,6 +63,8 @@ impl AuditLog {
             pinned,
             adopted: parking_lot::Mutex::new(None),
             top: crate::topkeys::TopKeys::default(),
+            unreported: crate::topkeys::TopKeys::default(),
+            reporting: std::sync::atomic::AtomicBool::new(false),
             window: AtomicU64::new(0),
             suppressed: AtomicU64::new(0),
             clock: MonotonicClock::new(),
@@ -68,6 +74,11 @@ impl AuditLog {
     /// Where key identities come from (never the secret).
     pub fn identity_source(&self) -> String {
         self.identity.load().source.clone()
+    }
+
+    /// The stable identity (`key_hash`) a counter key has in audit lines and top keys now.
+    pub fn key_identity(&self, key: &[u8]) -> u64 {
+        self.identity.load().of(key)
     }
 
     /// Uses the installation's secret the controller streamed, unless identities were pinned
@@ -89,6 +100,11 @@ impl AuditLog {
             }
             Err(e) => tracing::warn!(error = %e, "ignoring the controller's key-hash secret"),
         }
+    }
+
+    /// Starts counting rejections for the controller's fleet-wide top keys.
+    pub fn start_reporting(&self) {
+        self.reporting.store(true, Ordering::Relaxed);
     }
 
     /// Whether one more line fits in this second's allowance.
@@ -131,6 +147,11 @@ impl AuditLog {
         self.top.record(&rule.rule.id, limited.key_hash, || {
             (key_id(), self.raw_keys.then(|| printable(&rejection.key)))
         });
+        if self.reporting.load(Ordering::Relaxed) {
+            // Raw keys never leave the pod.
+            self.unreported
+                .record(&rule.rule.id, limited.key_hash, || (key_id(), None));
+        }
         if !self.admit() {
             metrics.audit_suppressed.inc();
             self.suppressed.fetch_add(1, Ordering::Relaxed);

@@ -180,6 +180,11 @@ pub struct RunArgs {
     #[arg(long, env = "TOLLGATE_CONTROLLER_IDLE_TIMEOUT", default_value = "15s", value_parser = parse_duration)]
     pub controller_idle_timeout: Duration,
 
+    /// How often this sidecar sends the keys it rejected most to the controller, which merges
+    /// them fleet-wide into each policy's `status.topLimitedKeys`. Only key identities travel.
+    #[arg(long, env = "TOLLGATE_TOP_KEYS_REPORT_INTERVAL", default_value = "10s", value_parser = parse_duration)]
+    pub top_keys_report_interval: Duration,
+
     /// File keeping the last good rule set from the controller (the injection webhook mounts an
     /// `emptyDir` here). A sidecar that starts while the controller is unreachable enforces it
     /// instead of staying unready; written atomically, checked on read.
@@ -465,8 +470,9 @@ pub async fn shutdown_signal() {
     tracing::info!("shutdown requested; draining");
 }
 
-/// `tollgate-sidecar check`: prints each rule in words, or every error with its field path.
-fn check(paths: &[PathBuf]) -> std::process::ExitCode {
+/// `tollgate-sidecar check` (and `kubectl tollgate check`): prints each rule of the policy
+/// files in words to stdout, or every error with its field path to stderr; FAILURE on errors.
+pub fn check(paths: &[PathBuf]) -> std::process::ExitCode {
     let mut failed = false;
     for path in paths {
         match crate::config::load(path) {

@@ -13,7 +13,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use tollgate_crd::stream::{Ack, MAX_LINE_BYTES, StreamMessage, parse_line};
+use tollgate_crd::stream::{
+    Ack, MAX_LINE_BYTES, MAX_REPORTED_KEYS, ReportedKey, StreamMessage, TopKeysReport, parse_line,
+};
 
 use crate::cli::WithoutRules;
 use crate::proxy::Shared;
@@ -29,6 +31,8 @@ pub struct ControllerConfig {
     pub token_file: PathBuf,
     /// Reconnect when nothing (not even a heartbeat) arrived for this long.
     pub idle_timeout: Duration,
+    /// How often the most-rejected keys are reported (`POST /v1/top-keys`).
+    pub top_keys_interval: Duration,
     /// CA certificates an `https://` controller must chain to (they replace the system roots).
     pub ca: Option<Vec<reqwest::Certificate>>,
     /// Where the last good rule set is kept across restarts, if anywhere.
@@ -260,6 +264,12 @@ pub async fn run(
             return;
         }
     };
+    shared.audit.start_reporting();
+    tokio::spawn(report_top_keys(
+        client.clone(),
+        config.clone(),
+        Arc::clone(&shared),
+    ));
     let mut held: Option<(String, u64)> = None; // (epoch, version)
     // The rules last written to the cache, so membership changes can be written with them.
     let mut saved: Option<(u64, Vec<tollgate_crd::CompiledPolicy>)> = None;
@@ -471,6 +481,71 @@ async fn ack(client: &reqwest::Client, config: &ControllerConfig, epoch: &str, v
     }
 }
 
+/// Sends the keys rejected most since the last report, every `top_keys_interval`, on the
+/// stream's HTTP/2 connection (the client is shared). A report that fails is merged into the
+/// next one, so a controller restart loses no counts; quiet intervals send nothing.
+async fn report_top_keys(client: reqwest::Client, config: ControllerConfig, shared: Arc<Shared>) {
+    let url = format!("{}/v1/top-keys", config.url.trim_end_matches('/'));
+    let mut pending: Vec<ReportedKey> = Vec::new();
+    let mut ticks = tokio::time::interval(config.top_keys_interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks.tick().await;
+    loop {
+        ticks.tick().await;
+        merge_reported(&mut pending, shared.audit.unreported.take());
+        if pending.is_empty() {
+            continue;
+        }
+        let Ok(token) = std::fs::read_to_string(&config.token_file) else {
+            continue;
+        };
+        let body = TopKeysReport {
+            namespace: config.namespace.clone(),
+            pod: config.pod.clone(),
+            keys: pending.clone(),
+        };
+        let sent = client
+            .post(&url)
+            .bearer_auth(token.trim())
+            .timeout(Duration::from_secs(5))
+            .json(&body)
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status);
+        match sent {
+            Ok(_) => pending.clear(),
+            Err(e) => {
+                tracing::debug!(error = %e, keys = pending.len(), "top-keys report failed; kept for the next one")
+            }
+        }
+    }
+}
+
+/// Adds a drained sketch to the keys not yet reported, keeping the most rejected
+/// [`MAX_REPORTED_KEYS`] (what is cut is a key that no longer qualifies as a top key).
+fn merge_reported(pending: &mut Vec<ReportedKey>, drained: Vec<crate::topkeys::Entry>) {
+    for e in drained {
+        let key_hash = crate::identity::display(e.identity);
+        match pending
+            .iter_mut()
+            .find(|p| p.rule == e.rule && p.key_hash == key_hash)
+        {
+            Some(p) => {
+                p.rejected += e.count;
+                p.max_overcount += e.error;
+            }
+            None => pending.push(ReportedKey {
+                rule: e.rule,
+                key_hash,
+                rejected: e.count,
+                max_overcount: e.error,
+            }),
+        }
+    }
+    pending.sort_by_key(|p| std::cmp::Reverse(p.rejected));
+    pending.truncate(MAX_REPORTED_KEYS);
+}
+
 /// Exponential backoff from 100 ms to 10 s with full jitter, so sidecars restarted together do
 /// not reconnect together.
 struct Backoff {
@@ -507,6 +582,35 @@ impl Backoff {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unsent_top_keys_add_up_and_keep_the_heaviest() {
+        let entry = |identity: u64, count: u64| crate::topkeys::Entry {
+            rule: "shop/limits/per-key".into(),
+            key_hash: identity ^ 0xff,
+            identity,
+            key: Some("raw".into()),
+            count,
+            error: 1,
+        };
+        let mut pending = Vec::new();
+        merge_reported(&mut pending, vec![entry(1, 5), entry(2, 3)]);
+        merge_reported(&mut pending, vec![entry(2, 4)]);
+        assert_eq!(pending[0].key_hash, crate::identity::display(2));
+        assert_eq!((pending[0].rejected, pending[0].max_overcount), (7, 2));
+        assert_eq!(pending[1].rejected, 5);
+        let flood: Vec<_> = (10..10 + MAX_REPORTED_KEYS as u64)
+            .map(|i| entry(i, 1))
+            .collect();
+        merge_reported(&mut pending, flood);
+        assert_eq!(pending.len(), MAX_REPORTED_KEYS);
+        assert_eq!(pending[0].rejected, 7, "the heaviest stay");
+        let json = serde_json::to_string(&pending[0]).unwrap();
+        assert!(
+            !json.contains("raw"),
+            "raw keys never leave the pod: {json}"
+        );
+    }
 
     #[test]
     fn backoff_grows_to_a_cap_with_jitter() {

@@ -75,6 +75,11 @@ impl TopKeys {
         }
     }
 
+    /// Empties the sketch and returns what it held: the reporter's window starts over.
+    pub fn take(&self) -> Vec<Entry> {
+        std::mem::take(&mut *self.entries.lock())
+    }
+
     /// The entries, most rejected first.
     pub fn snapshot(&self) -> Vec<Entry> {
         let mut v = self.entries.lock().clone();

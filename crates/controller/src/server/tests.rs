@@ -733,3 +733,46 @@ async fn shutdown_ends_streams_and_stops_serving() {
         .unwrap();
     assert!(TcpStream::connect(s.addr).await.is_err());
 }
+
+/// Top-keys reports are scoped like acks (the pod's own token, its own namespace's rules),
+/// merged whole or refused whole, and bounded in size.
+#[tokio::test]
+async fn top_keys_reports_are_merged_or_refused_whole() {
+    let top = crate::top_keys::FleetTopKeys::new(Duration::from_secs(600));
+    let s = start(ServerConfig {
+        top_keys: Arc::clone(&top),
+        ..config()
+    })
+    .await;
+    let mut c = connect(s.addr).await;
+    let report = |ns: &str, pod: &str, rule: &str| {
+        serde_json::json!({"namespace": ns, "pod": pod, "keys": [
+            {"rule": rule, "keyHash": "00000000000000aa", "rejected": 9, "maxOvercount": 0}
+        ]})
+        .to_string()
+    };
+    let mut post = async |token: Option<&str>, body: &str| {
+        c.send(request(Method::POST, "/v1/top-keys", token, body))
+            .await
+            .status()
+    };
+    let ok = report("shop", "api-1", "shop/limits/per-key");
+    assert_eq!(post(Some(API1), &ok).await, StatusCode::NO_CONTENT);
+    assert_eq!(post(None, &ok).await, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        post(Some(API1), &report("shop", "api-2", "shop/limits/per-key")).await,
+        StatusCode::FORBIDDEN
+    );
+    assert_eq!(
+        post(Some(API1), &report("shop", "api-1", "bank/limits/per-key")).await,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    assert_eq!(post(Some(API1), "{not json").await, StatusCode::BAD_REQUEST);
+    let huge = " ".repeat(MAX_TOP_KEYS_BYTES + 1);
+    assert_eq!(post(Some(API1), &huge).await, StatusCode::PAYLOAD_TOO_LARGE);
+    top.refresh(Instant::now(), "now");
+    let listed = top.of("shop", "limits").expect("the accepted report is counted");
+    assert_eq!(listed.keys.len(), 1);
+    assert_eq!((listed.keys[0].rejected, listed.keys[0].pod_count), (9, 1));
+    assert!(top.of("bank", "limits").is_none());
+}
