@@ -3,6 +3,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use tollgate_crd::duration::parse_flag;
+
 use clap::{Parser, ValueEnum};
 
 /// tollgate-controller: compiles RateLimitPolicies, streams them to sidecars, writes status.
@@ -37,11 +39,11 @@ pub struct Args {
     pub pod_selector: Option<String>,
 
     /// Heartbeat interval of idle rule streams.
-    #[arg(long, env = "TOLLGATE_HEARTBEAT_INTERVAL", default_value = "5s", value_parser = parse_duration)]
+    #[arg(long, env = "TOLLGATE_HEARTBEAT_INTERVAL", default_value = "5s", value_parser = parse_flag)]
     pub heartbeat_interval: Duration,
 
     /// How long a stream request for a pod the watch has not delivered yet waits before 404.
-    #[arg(long, env = "TOLLGATE_UNKNOWN_POD_GRACE", default_value = "2s", value_parser = parse_duration)]
+    #[arg(long, env = "TOLLGATE_UNKNOWN_POD_GRACE", default_value = "2s", value_parser = parse_flag)]
     pub unknown_pod_grace: Duration,
 
     /// Audiences a sidecar token must be issued for (TokenReview `spec.audiences`); any
@@ -54,7 +56,7 @@ pub struct Args {
     pub token_audiences: Vec<String>,
 
     /// How long a successful token review is cached.
-    #[arg(long, env = "TOLLGATE_TOKEN_CACHE_TTL", default_value = "60s", value_parser = parse_duration)]
+    #[arg(long, env = "TOLLGATE_TOKEN_CACHE_TTL", default_value = "60s", value_parser = parse_flag)]
     pub token_cache_ttl: Duration,
 
     /// Elect a leader with a Lease; only the leader writes status. Disable for a single replica
@@ -87,7 +89,7 @@ pub struct Args {
     pub key_hash_secret: String,
 
     /// How long the Lease stays valid without renewal.
-    #[arg(long, env = "TOLLGATE_LEASE_DURATION", default_value = "15s", value_parser = parse_duration)]
+    #[arg(long, env = "TOLLGATE_LEASE_DURATION", default_value = "15s", value_parser = parse_flag)]
     pub lease_duration: Duration,
 
     /// Share membership with the other replicas through per-replica Leases (in the lease
@@ -106,20 +108,20 @@ pub struct Args {
     pub pod_uid: Option<String>,
 
     /// Minimum time between two status writes of one policy.
-    #[arg(long, env = "TOLLGATE_STATUS_MIN_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    #[arg(long, env = "TOLLGATE_STATUS_MIN_INTERVAL", default_value = "1s", value_parser = parse_flag)]
     pub status_min_interval: Duration,
 
     /// The span of `status.topLimitedKeys`: sidecars' rejections are counted over this long.
-    #[arg(long, env = "TOLLGATE_TOP_KEYS_WINDOW", default_value = "10m", value_parser = parse_duration)]
+    #[arg(long, env = "TOLLGATE_TOP_KEYS_WINDOW", default_value = "10m", value_parser = parse_flag)]
     pub top_keys_window: Duration,
 
     /// How often the fleet's top limited keys are merged into status (and shared with peer
     /// replicas); an unchanged list writes nothing.
-    #[arg(long, env = "TOLLGATE_TOP_KEYS_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, env = "TOLLGATE_TOP_KEYS_INTERVAL", default_value = "30s", value_parser = parse_flag)]
     pub top_keys_interval: Duration,
 
     /// How long open streams get to close on shutdown.
-    #[arg(long, env = "TOLLGATE_SHUTDOWN_GRACE", default_value = "5s", value_parser = parse_duration)]
+    #[arg(long, env = "TOLLGATE_SHUTDOWN_GRACE", default_value = "5s", value_parser = parse_flag)]
     pub shutdown_grace: Duration,
 
     /// Log format.
@@ -153,11 +155,6 @@ pub enum LogFormat {
     #[value(alias = "text")]
     Plain,
     Json,
-}
-
-/// Parses `500ms`, `5s`, `1m`.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s).map_err(|e| format!("{s:?} is not a duration such as 5s: {e}"))
 }
 
 #[cfg(test)]

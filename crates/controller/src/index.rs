@@ -6,13 +6,14 @@
 //!  Pod labels ────────────────▶ Pod { rules, connections, acked } ──watch──▶ /v1/watch stream
 //! ```
 //!
-//! The index is pure: no Kubernetes client, no I/O. The watch tasks in [`crate::runtime`] feed it
-//! (`apply_*`, `delete_*`, `reset_*`), the rule-stream server subscribes to one pod's
-//! [`PodRules`] and reports connections and acks through [`crate::membership`], and the status
-//! writer reads [`PolicyView`]s.
+//! The index is pure: no Kubernetes client, no I/O, and it calls no other module of the
+//! controller (layers above it do): the watch tasks of the runtime feed it (`apply_*`,
+//! `delete_*`, `reset_*`), the rule-stream server subscribes to one pod's [`PodRules`] and
+//! reports connections and acks through the membership module, and the status writer reads
+//! [`PolicyView`]s.
 //!
 //! With several controller replicas, each one serves some of the streams. Replicas exchange
-//! [`MembershipReport`]s (see [`crate::peers`]); the index merges the reports of the other
+//! [`MembershipReport`]s (written and read by the peers module); the index merges the reports of the other
 //! replicas into its counts, so every replica pushes the fleet-wide member count and the leader's
 //! status counts every sidecar, whichever replica it is connected to.
 //!
@@ -179,7 +180,7 @@ pub enum AckError {
     FutureVersion { got: u64, current: u64 },
 }
 
-/// Counters the index keeps about itself; exported at scrape time by [`crate::metrics`].
+/// Counters the index keeps about itself; exported at scrape time by the metrics module.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct IndexStats {
     pub compiles_ok: u64,
@@ -626,7 +627,7 @@ impl Index {
         }
     }
 
-    // --- membership (called through crate::membership) ---
+    // --- membership (the membership module's connection guards and acks call these) ---
 
     /// Registers a stream of `pod`. `resume` is the client's `(since, epoch)`, if it sent one.
     pub(crate) fn connect(
@@ -935,7 +936,7 @@ impl Index {
             return;
         };
         let remote = self.remote.get(namespace);
-        let counts = crate::membership::count_members(
+        let counts = count_members(
             ns.pods
                 .iter()
                 .filter(|(name, p)| {
@@ -1051,6 +1052,21 @@ fn sync_counts(
         }
     }
     (total, in_sync)
+}
+
+/// Counts, per policy name, the pods (given as their policies' names) that hold it.
+pub fn count_members<'a, P, I>(pods: P) -> HashMap<&'a str, u32>
+where
+    P: IntoIterator<Item = I>,
+    I: IntoIterator<Item = &'a str>,
+{
+    let mut counts: HashMap<&str, u32> = HashMap::new();
+    for policies in pods {
+        for name in policies {
+            *counts.entry(name).or_default() += 1;
+        }
+    }
+    counts
 }
 
 #[cfg(test)]

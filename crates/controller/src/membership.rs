@@ -9,25 +9,9 @@
 //! a write failed, the server drains), the guard unregisters the stream and the counts of the
 //! other sidecars drop at once.
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::index::{AckError, SharedIndex, Subscription};
-
-/// Counts, per policy name, the pods (given as their policies' names) that hold it.
-pub fn count_members<'a, P, I>(pods: P) -> HashMap<&'a str, u32>
-where
-    P: IntoIterator<Item = I>,
-    I: IntoIterator<Item = &'a str>,
-{
-    let mut counts: HashMap<&str, u32> = HashMap::new();
-    for policies in pods {
-        for name in policies {
-            *counts.entry(name).or_default() += 1;
-        }
-    }
-    counts
-}
 
 /// An open rule stream of one pod. Dropping it ends the membership.
 #[derive(Debug)]

@@ -280,7 +280,7 @@ impl FleetTopKeys {
             }
             changed
         });
-        let window = humantime::format_duration(self.window).to_string();
+        let window = tollgate_crd::duration::format(self.window);
         self.published.send_if_modified(|cur| {
             let mut next = BTreeMap::new();
             for (policy, keys) in merged {

@@ -19,6 +19,12 @@ pub enum DurationError {
     Overflow,
 }
 
+/// [`parse`] for command-line flags and annotations (clap's `value_parser`): every duration
+/// tollgate reads, in a policy, a flag or an annotation, follows this one grammar.
+pub fn parse_flag(s: &str) -> Result<Duration, String> {
+    parse(s.trim()).map_err(|e| format!("{s:?} is not a duration such as 500ms, 5s or 1h30m: {e}"))
+}
+
 /// Parses `[0-9]+(ms|s|m|h)` repeated, e.g. `1h30m`.
 pub fn parse(s: &str) -> Result<Duration, DurationError> {
     if s.is_empty() {

@@ -10,8 +10,8 @@ use anyhow::Context as _;
 use tokio::net::TcpListener;
 use tollgate_limiter::{Clock, StoreConfig};
 
+use crate::args::RunArgs;
 use crate::audit::AuditLog;
-use crate::cli::RunArgs;
 use crate::config;
 use crate::controller::{Apply, ControllerConfig};
 use crate::global::{GlobalRuntime, LeaseSettings, Membership};
@@ -405,7 +405,7 @@ pub async fn run_demo(mut args: RunArgs) -> anyhow::Result<()> {
         admin = args.admin,
         policy = policy.display(),
     );
-    let result = run(args, crate::cli::shutdown_signal()).await;
+    let result = run(args, shutdown_signal()).await;
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
@@ -438,4 +438,28 @@ fn default_sidecar_id() -> String {
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "sidecar".to_string());
     format!("{host}-{}", std::process::id())
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+    tracing::info!("shutdown requested; draining");
 }

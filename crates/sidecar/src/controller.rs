@@ -17,7 +17,7 @@ use tollgate_crd::stream::{
     Ack, MAX_LINE_BYTES, MAX_REPORTED_KEYS, ReportedKey, StreamMessage, TopKeysReport, parse_line,
 };
 
-use crate::cli::WithoutRules;
+use crate::args::WithoutRules;
 use crate::proxy::Shared;
 use crate::rules_cache::RulesCache;
 

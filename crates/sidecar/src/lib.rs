@@ -4,6 +4,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod args;
 pub mod audit;
 pub mod block;
 pub mod cli;

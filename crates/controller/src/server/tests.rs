@@ -771,7 +771,9 @@ async fn top_keys_reports_are_merged_or_refused_whole() {
     let huge = " ".repeat(MAX_TOP_KEYS_BYTES + 1);
     assert_eq!(post(Some(API1), &huge).await, StatusCode::PAYLOAD_TOO_LARGE);
     top.refresh(Instant::now(), "now");
-    let listed = top.of("shop", "limits").expect("the accepted report is counted");
+    let listed = top
+        .of("shop", "limits")
+        .expect("the accepted report is counted");
     assert_eq!(listed.keys.len(), 1);
     assert_eq!((listed.keys[0].rejected, listed.keys[0].pod_count), (9, 1));
     assert!(top.of("bank", "limits").is_none());

@@ -1,5 +1,5 @@
-//! Flags of the admission webhooks and of the sidecar they inject (flattened into
-//! [`crate::args::Args`]). Each also reads a `TOLLGATE_*` environment variable.
+//! Flags of the admission webhooks and of the sidecar they inject (flattened into the
+//! controller's `Args`). Each also reads a `TOLLGATE_*` environment variable.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::Args;
 use k8s_openapi::api::core::v1::ResourceRequirements;
+use tollgate_crd::duration::parse_flag;
 
 use super::inject::{CaRef, InjectConfig, RedisConfig, SecretKeyRef};
 
@@ -29,7 +30,7 @@ pub struct WebhookArgs {
     pub webhook_listen: SocketAddr,
 
     /// How often the certificate files are checked for changes.
-    #[arg(long, env = "TOLLGATE_WEBHOOK_CERT_RELOAD_INTERVAL", default_value = "10s", value_parser = crate::args::parse_duration)]
+    #[arg(long, env = "TOLLGATE_WEBHOOK_CERT_RELOAD_INTERVAL", default_value = "10s", value_parser = parse_flag)]
     pub webhook_cert_reload_interval: Duration,
 
     /// Generate the webhook CA and serving certificate (kept in `--webhook-secret`, shared by
@@ -123,14 +124,14 @@ pub struct WebhookArgs {
     pub sidecar_token_audience: String,
 
     /// Lifetime of the projected token (the kubelet refreshes it at 80 %).
-    #[arg(long, env = "TOLLGATE_SIDECAR_TOKEN_EXPIRATION", default_value = "1h", value_parser = crate::args::parse_duration)]
+    #[arg(long, env = "TOLLGATE_SIDECAR_TOKEN_EXPIRATION", default_value = "1h", value_parser = parse_flag)]
     pub sidecar_token_expiration: Duration,
 
     /// How long app containers without a `preStop` keep serving after their pod is deleted,
     /// while Services and load balancers stop routing to it (a `preStop` sleep; at most half
     /// the pod's grace period; `0s` turns it off). The pod annotation `tollgate.dev/drain-delay`
     /// overrides it.
-    #[arg(long, env = "TOLLGATE_SIDECAR_DRAIN_DELAY", default_value = "5s", value_parser = crate::args::parse_duration)]
+    #[arg(long, env = "TOLLGATE_SIDECAR_DRAIN_DELAY", default_value = "5s", value_parser = parse_flag)]
     pub sidecar_drain_delay: Duration,
 
     /// Resources of the sidecar as JSON, e.g. `{"requests":{"cpu":"50m","memory":"32Mi"}}`.

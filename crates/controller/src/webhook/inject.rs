@@ -536,13 +536,9 @@ fn drain_delay(
 ) -> Result<i64, Skip> {
     let wanted = match annotation(pod, DRAIN_DELAY) {
         None => cfg.drain_delay_seconds,
-        Some(v) => humantime::parse_duration(v.trim())
+        Some(v) => tollgate_crd::duration::parse_flag(v)
             .map(|d| d.as_secs() as i64)
-            .map_err(|e| {
-                Skip::BadAnnotation(format!(
-                    "{DRAIN_DELAY}: {v:?} is not a duration such as 5s: {e}"
-                ))
-            })?,
+            .map_err(|e| Skip::BadAnnotation(format!("{DRAIN_DELAY}: {e}")))?,
     };
     let grace = spec.termination_grace_period_seconds.unwrap_or(30);
     Ok(wanted.min(grace / 2).max(0))
