@@ -3,6 +3,13 @@
 //! pods, not fragments). Each result is then decoded into a typed `Pod` and checked field by
 //! field. Regenerate the goldens after an intended change with
 //! `TOLLGATE_BLESS=1 cargo test -p tollgate-controller --test inject_golden` and review the diff.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 use std::path::PathBuf;
 

@@ -4,6 +4,13 @@
 //! TokenReview.
 //!
 //! One test per binary: tracing is initialised once per process.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 use std::collections::HashMap;
 use std::convert::Infallible;

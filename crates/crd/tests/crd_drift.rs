@@ -1,4 +1,11 @@
 //! The checked-in CRD must be exactly what the Rust types generate.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 const CHECKED_IN: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),

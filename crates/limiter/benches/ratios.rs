@@ -3,6 +3,13 @@
 //! kept, so load from other processes on a shared 2-core machine affects both sides alike
 //! and preempted rounds drop out. Prints a table of ns per decision and the ratios behind
 //! the G6 goals. Run: `cargo bench -p tollgate-limiter --bench ratios`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 use std::cell::Cell;
 use std::hint::black_box;

@@ -14,6 +14,13 @@
 //! Keys: governor gets `u64` keys (its best case: hashing an integer); tollgate gets the same
 //! value's 8 little-endian bytes. See also the `ratios` bench (interleaved rounds, robust to
 //! load from other processes).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 use std::cell::Cell;
 use std::hint::black_box;

@@ -107,6 +107,10 @@ impl Clock for FakeClock {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "synchronous tests wait with thread::sleep"
+)]
 mod tests {
     use super::*;
 

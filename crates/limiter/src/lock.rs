@@ -47,6 +47,10 @@ impl RawSpinLock {
 // Acquire ordering, and `unlock` (called only by the holder, per the trait contract) clears
 // it with Release ordering, so at most one holder exists and its writes happen-before the
 // next holder's reads.
+#[allow(
+    unsafe_code,
+    reason = "lock_api's RawMutex contract, upheld as described above"
+)]
 unsafe impl lock_api::RawMutex for RawSpinLock {
     const INIT: Self = RawSpinLock(AtomicBool::new(false));
     type GuardMarker = lock_api::GuardSend;

@@ -1,5 +1,12 @@
 //! Behaviour of the keyed store: seed examples end to end, independence of keys, the memory
 //! cap and overflow, idle eviction, concurrency permits, and use from several threads.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -2,6 +2,13 @@
 //! governor's keyed (DashMap) store for the same number of keys. Run with `--nocapture` to
 //! see the table. The assertions pin the memory bound: 100 k active token-bucket keys must
 //! stay far below the 32 MB budget for the whole sidecar (G8).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::num::NonZeroU32;
@@ -14,6 +21,10 @@ struct Counting;
 static LIVE: AtomicIsize = AtomicIsize::new(0);
 
 // SAFETY: forwards to the system allocator unchanged and only counts sizes.
+#[allow(
+    unsafe_code,
+    reason = "a counting allocator measures the store's memory"
+)]
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);

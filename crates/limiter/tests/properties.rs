@@ -6,6 +6,13 @@
 //!   the quota allows over any window of *effective* time (the latest time seen so far);
 //!   `remaining` never exceeds capacity; `retry_after` is exact (admitted after waiting that
 //!   long, refused 1 ns earlier) or `NEVER` really means never.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 use std::collections::HashMap;
 

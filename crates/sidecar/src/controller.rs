@@ -128,7 +128,7 @@ pub trait Apply: Send + Sync {
 /// and its readiness body and `/debug/stream` must say why. Updated once per connect attempt.
 #[derive(Default)]
 pub struct StreamHealth {
-    state: std::sync::Mutex<StreamState>,
+    state: parking_lot::Mutex<StreamState>,
 }
 
 #[derive(Default)]
@@ -140,23 +140,21 @@ struct StreamState {
 
 impl StreamHealth {
     fn connected(&self) {
-        if let Ok(mut s) = self.state.lock() {
-            s.connected = true;
-            s.failed_attempts = 0;
-        }
+        let mut s = self.state.lock();
+        s.connected = true;
+        s.failed_attempts = 0;
     }
 
     fn failed(&self, error: &str) {
-        if let Ok(mut s) = self.state.lock() {
-            s.connected = false;
-            s.failed_attempts += 1;
-            s.last_error = Some((error.to_string(), std::time::Instant::now()));
-        }
+        let mut s = self.state.lock();
+        s.connected = false;
+        s.failed_attempts += 1;
+        s.last_error = Some((error.to_string(), std::time::Instant::now()));
     }
 
     /// The last error with a hint at its usual cause, if the stream ever failed.
     pub fn last_error(&self) -> Option<String> {
-        let s = self.state.lock().ok()?;
+        let s = self.state.lock();
         s.last_error.as_ref().map(|(e, _)| match hint(e) {
             Some(h) => format!("{e} ({h})"),
             None => e.clone(),
@@ -165,9 +163,7 @@ impl StreamHealth {
 
     /// `/debug/stream`.
     pub fn to_json(&self, controller: &str) -> serde_json::Value {
-        let Ok(s) = self.state.lock() else {
-            return serde_json::Value::Null;
-        };
+        let s = self.state.lock();
         let (error, ago) = match &s.last_error {
             Some((e, at)) => (Some(e.as_str()), Some(at.elapsed().as_secs())),
             None => (None, None),

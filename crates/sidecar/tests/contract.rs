@@ -1,5 +1,12 @@
 //! The response contract: the 429 header by header, RateLimit headers on admitted responses,
 //! shadow mode, bypass lists and several rules at once.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

@@ -1,6 +1,13 @@
 //! Controller mode against an in-test rule stream speaking the documented protocol: snapshots
 //! applied atomically, acks, bearer token, last-known-good rules while the controller is away,
 //! and resume with `since`/`epoch` after a reconnect.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

@@ -6,6 +6,13 @@
 //! instructions only; the admitted request's extra syscalls (to and from the app) are not even
 //! counted.
 //! `bench/cpu_per_decision.py` measures the release build, with CPU time as well.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 
@@ -97,7 +104,10 @@ impl Valgrind {
     /// SIGTERM, wait for the exit, and the total instruction count.
     fn finish(mut self) -> u64 {
         // SAFETY: plain syscall on our own child's PID, not yet reaped.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        #[allow(unsafe_code, reason = "a signal to our own child")]
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM)
+        };
         let deadline = Instant::now() + Duration::from_secs(120);
         while self.child.try_wait().expect("wait").is_none() {
             assert!(

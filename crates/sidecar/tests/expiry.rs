@@ -3,6 +3,13 @@
 //!
 //! Expiry is watched with `DBSIZE`, which does not touch keys: what goes away here is removed by
 //! Redis' own active expiry, not by the test reading an expired key.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

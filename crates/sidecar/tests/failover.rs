@@ -6,6 +6,13 @@
 //! Reported and checked: no request hangs; each rule keeps its failure mode during the switch
 //! (fail-open never answers 503, fail-closed answers 503 rather than admitting unchecked);
 //! after the switch both rules admit their limit again; and the recovery time.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

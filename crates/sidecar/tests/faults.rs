@@ -15,6 +15,13 @@
 //!
 //! Each test prints its rows of the table in docs/reliability.md ("FAULT-MATRIX |" lines):
 //! `cargo test -p tollgate-sidecar --test faults -- --nocapture --test-threads 1`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

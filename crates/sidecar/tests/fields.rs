@@ -2,6 +2,13 @@
 //! `RateLimit` field goes through a structured-field parser (RFC 9651), per algorithm and per
 //! header profile; waiting exactly `Retry-After` succeeds; clients of one shared bucket are sent
 //! back at different times; the fail-closed 503 says what it can.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

@@ -14,6 +14,13 @@
 //! Slowloris header dripping, silent and idle connections and oversized headers are covered in
 //! `transport.rs` (`slowloris_header_dripping_is_cut_off`, `silent_and_idle_connections_are_cut_off`,
 //! `oversized_headers_are_refused`); they are not repeated here.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

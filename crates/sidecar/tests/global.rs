@@ -1,5 +1,12 @@
 //! Global limits against a real `redis-server`: accuracy across sidecars, Redis load, membership,
 //! and the failure modes when Redis dies or restarts empty.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

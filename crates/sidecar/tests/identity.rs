@@ -3,6 +3,13 @@
 //! the same `key_hash`, which `tollgate-sidecar key-hash` computes from the raw key; audit
 //! lines carry the request's policy, rule, method, path, status, client and trace id, and
 //! count what the per-second allowance suppressed.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

@@ -1,4 +1,11 @@
 //! Key sources: each limits independently per key value; missing keys; X-Forwarded-For trust.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

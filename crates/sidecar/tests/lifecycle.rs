@@ -1,4 +1,11 @@
 //! Configuration and process lifecycle: hot reload, `check`, the admin port, graceful shutdown.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

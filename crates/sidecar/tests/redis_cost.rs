@@ -7,6 +7,13 @@
 //!   the admitted total within 1 % of the limit.
 //! - The table of docs/global-limits.md: a hot key under its limit, one key far over its
 //!   limit, 10,000 cold keys and a mix, with 3 and with 20 sidecars.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

@@ -22,6 +22,13 @@
 //! Every process is started on free 127.0.0.1 ports and killed by PID when dropped.
 //! Needs `openssl` and `redis-server`/`redis-cli` built with TLS (Debian's are):
 //! `apt-get install openssl redis-server` (./tools/test-all.sh installs them).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

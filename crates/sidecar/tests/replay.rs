@@ -1,6 +1,13 @@
 //! `tollgate-sidecar check --policy … --replay …`: a crafted access log replayed through the real
 //! binary gives exact per-rule counts, a baseline comparison, hashed (or raw) top keys, and
 //! reports malformed lines by number without failing.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

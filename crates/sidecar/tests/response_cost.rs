@@ -1,6 +1,13 @@
 //! Costs known when the response arrives (`cost.responseHeader`, the LLM-token case), counting
 //! only some responses (`count.statuses`, the failed-login case) and `limit.blockFor`, through
 //! the real binary; global settlements against a real `redis-server`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

@@ -1,4 +1,11 @@
 //! Algorithms that hold or count requests in flight: leaky-bucket shaping and concurrency caps.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

@@ -15,6 +15,13 @@
 //! the limit (the tokens the bucket allowed over the run) everywhere, false 429s within 1 % in
 //! exact mode; while leased within 8 % over the run and 3 % after its first 3 s (the steady
 //! part, once the first burst is spent). The table goes to docs/global-limits.md.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

@@ -13,6 +13,13 @@
 //! its clean-up). Knobs: `TOLLGATE_SOAK_SECS`, `TOLLGATE_SOAK_RATE`
 //! (requests/s over all three sidecars), `TOLLGATE_SOAK_POLICY_EVERY`,
 //! `TOLLGATE_SOAK_SAMPLE_EVERY` (seconds).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

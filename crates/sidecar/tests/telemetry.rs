@@ -1,6 +1,13 @@
 //! Traces reach a real OTLP/HTTP endpoint (an in-test collector decoding the protobuf export),
 //! continue the caller's trace, and are passed on to the upstream; background lease syncs with a
 //! real `redis-server` get spans too; the log filter can be changed at runtime.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

@@ -1,5 +1,12 @@
 //! What the proxy does with bytes: streaming both ways, WebSocket upgrades, upstream failures,
 //! malformed and abusive clients.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
 
 mod common;
 

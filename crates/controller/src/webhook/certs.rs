@@ -433,7 +433,10 @@ where
 pub fn ca_bundle_ops(config: &Value, ca: &[u8]) -> Vec<json_patch::PatchOperation> {
     use json_patch::jsonptr::PointerBuf;
     use json_patch::{AddOperation, PatchOperation, TestOperation};
-    let encoded = serde_json::to_value(ByteString(ca.to_vec())).expect("base64");
+    let encoded = {
+        use base64::Engine as _;
+        Value::String(base64::engine::general_purpose::STANDARD.encode(ca))
+    };
     let mut ops = Vec::new();
     let Some(hooks) = config.get("webhooks").and_then(Value::as_array) else {
         return ops;

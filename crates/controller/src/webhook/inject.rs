@@ -154,6 +154,7 @@ impl InjectConfig {
     }
 
     /// A configuration for tests and examples.
+    #[allow(clippy::expect_used, reason = "a literal that always parses")]
     pub fn example() -> InjectConfig {
         InjectConfig {
             image: "ghcr.io/tollgate-dev/tollgate-sidecar:0.1.0".into(),
@@ -760,6 +761,16 @@ pub fn rules_cache_volume() -> Volume {
 
 // === the patch ===
 
+/// A Kubernetes object as JSON. Their types serialize to JSON whatever their content (string
+/// map keys, no non-finite floats), so this cannot fail.
+#[allow(
+    clippy::expect_used,
+    reason = "k8s-openapi types always serialize to JSON"
+)]
+fn to_json<T: serde::Serialize>(value: &T) -> Value {
+    serde_json::to_value(value).expect("a k8s-openapi object serializes to JSON")
+}
+
 fn ptr<'a>(tokens: impl IntoIterator<Item = &'a str>) -> PointerBuf {
     PointerBuf::from_tokens(tokens)
 }
@@ -886,7 +897,7 @@ pub fn patch(raw: &Value, pod: &Pod, cfg: &InjectConfig, plan: &Plan) -> Patch {
             Value::String("default".to_string()),
         ));
     }
-    let sidecar = serde_json::to_value(sidecar_container(cfg, plan)).expect("container to JSON");
+    let sidecar = to_json(&sidecar_container(cfg, plan));
     if present("/spec/initContainers") {
         ops.push(add(ptr(["spec", "initContainers", "-"]), sidecar));
     } else {
@@ -899,10 +910,7 @@ pub fn patch(raw: &Value, pod: &Pod, cfg: &InjectConfig, plan: &Plan) -> Patch {
     if let Some(redis) = &cfg.redis {
         volumes.extend(redis.volumes());
     }
-    let volumes: Vec<Value> = volumes
-        .iter()
-        .map(|v| serde_json::to_value(v).expect("volume to JSON"))
-        .collect();
+    let volumes: Vec<Value> = volumes.iter().map(to_json).collect();
     if present("/spec/volumes") {
         for v in volumes {
             ops.push(add(ptr(["spec", "volumes", "-"]), v));

@@ -300,10 +300,14 @@ impl Handler {
         };
         match self.review(&path, &body) {
             Some(review) => match serde_json::to_vec(&review) {
-                Ok(json) => Response::builder()
-                    .header(http::header::CONTENT_TYPE, "application/json")
-                    .body(Full::new(Bytes::from(json)))
-                    .expect("response"),
+                Ok(json) => {
+                    let mut rsp = Response::new(Full::new(Bytes::from(json)));
+                    rsp.headers_mut().insert(
+                        http::header::CONTENT_TYPE,
+                        http::HeaderValue::from_static("application/json"),
+                    );
+                    rsp
+                }
                 Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, &format!("{e}\n")),
             },
             None => text(StatusCode::NOT_FOUND, "not found\n"),
@@ -318,11 +322,13 @@ enum Kind {
 }
 
 fn text(status: StatusCode, body: &str) -> Response<Full<Bytes>> {
-    Response::builder()
-        .status(status)
-        .header(http::header::CONTENT_TYPE, "text/plain; charset=utf-8")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .expect("response")
+    let mut rsp = Response::new(Full::new(Bytes::from(body.to_string())));
+    *rsp.status_mut() = status;
+    rsp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    rsp
 }
 
 // === serving ===

@@ -94,6 +94,11 @@ pub struct Slot {
     /// When the last sync planned this key (demand is measured since then).
     last_plan: AtomicU64,
     /// Single flight for round trips of this key: one request refills, the others wait for it.
+    /// Held across the Redis call on purpose; only requests for a key whose lease ran dry meet it.
+    #[allow(
+        clippy::disallowed_types,
+        reason = "the single flight of a dry key's refill"
+    )]
     refill: tokio::sync::Mutex<()>,
     /// A background top-up of this key is in flight. Redis may answer a request's own call for
     /// the key with "empty" because that top-up took the last tokens: they are on their way to
@@ -555,6 +560,10 @@ impl GlobalRule {
                 valid_until: AtomicU64::new(0),
                 last_used: AtomicU64::new(now),
                 last_plan: AtomicU64::new(now),
+                #[allow(
+                    clippy::disallowed_types,
+                    reason = "the single flight of a dry key's refill"
+                )]
                 refill: tokio::sync::Mutex::new(()),
                 topping_up: AtomicBool::new(false),
                 denied: AtomicU64::new(0),

@@ -943,6 +943,10 @@ impl Store {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "synchronous tests wait with thread::sleep"
+)]
 mod tests {
     use super::*;
 

@@ -274,6 +274,7 @@ impl Sidecar {
     fn signal(&self, sig: libc::c_int) {
         // SAFETY: plain syscall on the PID of our own child, which has not been reaped yet
         // (`exited` is only set after a successful wait), so the PID cannot have been reused.
+        #[allow(unsafe_code, reason = "signals to our own child")]
         let rc = unsafe { libc::kill(self.pid as libc::pid_t, sig) };
         assert_eq!(
             rc,
