@@ -215,7 +215,7 @@ pub async fn run(
     };
     let sync_task = global.as_ref().map(|rt| {
         tokio::spawn(crate::global::sync_loop(
-            Arc::clone(&shared),
+            Arc::clone(&shared) as Arc<dyn crate::global::GlobalSource>,
             Arc::clone(rt),
             membership.clone(),
         ))
@@ -227,7 +227,7 @@ pub async fn run(
         task.abort();
     }
     if let Some(rt) = &global {
-        crate::global::leave(&shared, rt, &membership).await;
+        crate::global::leave(shared.as_ref(), rt, &membership).await;
     }
     rules_task.abort();
     evict_task.abort();

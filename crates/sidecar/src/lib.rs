@@ -15,6 +15,7 @@ pub mod identity;
 pub mod keys;
 pub mod metrics;
 pub mod proxy;
+pub mod quota;
 pub mod replay;
 pub mod response;
 pub mod rules;

@@ -29,7 +29,7 @@ use crate::audit::AuditLog;
 use crate::keys;
 use crate::metrics::Metrics;
 use crate::response;
-use crate::rules::{KeyHasher, RuleSet, Verdict};
+use crate::rules::{KeyHasher, Outcome, Rejection, RuleSet, Verdict};
 use crate::telemetry;
 use crate::upstream::{Lease, Upstream};
 use tracing::Instrument;
@@ -61,6 +61,22 @@ pub struct Shared {
     upstream: Upstream,
     /// `Host` for requests that arrive without one (HTTP/1.0, HTTP/2 without `:authority`).
     upstream_host: HeaderValue,
+}
+
+/// The global engine's view of the sidecar: the global rules of the rule set in force.
+impl crate::global::GlobalSource for Shared {
+    fn global_rules(&self) -> Vec<Arc<crate::global::GlobalRule>> {
+        self.rules
+            .load()
+            .rules
+            .iter()
+            .filter_map(|r| r.global.clone())
+            .collect()
+    }
+
+    fn now(&self) -> tollgate_limiter::Nanos {
+        self.clock.now()
+    }
 }
 
 impl Shared {
@@ -267,60 +283,92 @@ async fn handle_inner(
     span: Option<&tracing::Span>,
 ) -> Response<ProxyBody> {
     let rules = shared.rules.load_full();
-    let started = shared.clock.now();
     let (parts, body) = req.into_parts();
+    let verdict = decide(&shared, &rules, &parts, &peer).await;
+    let seed = rejection_seed(&rules, &verdict, &parts, &peer);
+    let req = Request::from_parts(parts, body);
+    if let Some(span) = span {
+        record_decision(span, &rules, &verdict);
+    }
+    match verdict.outcome() {
+        Outcome::Unavailable(ri) => local(response::unavailable(&rules, &verdict, ri, seed)),
+        Outcome::Reject(rejection) => {
+            audit_rejection(&shared, &rules, rejection, &req, &peer, span);
+            local(response::too_many_requests(&rules, &verdict, seed))
+        }
+        Outcome::Admit => forward(shared, rules, verdict, req, peer, peer_ip, span).await,
+    }
+}
+
+/// The core's decision: local rules and leases at once, and one bounded Redis round trip for
+/// cold or dry global keys of a request nothing else refused.
+async fn decide(shared: &Shared, rules: &RuleSet, parts: &Parts, peer: &SocketAddr) -> Verdict {
+    let started = shared.clock.now();
     let mut verdict = KEY_BUF.with(|buf| {
         let mut buf = buf.borrow_mut();
-        rules.decide(&parts, &peer, started, &mut buf, &shared.hasher)
+        rules.decide(parts, peer, started, &mut buf, &shared.hasher)
     });
     if !verdict.pending.is_empty() && verdict.rejected.is_none() && verdict.unavailable.is_none() {
-        // Cold or dry global keys: one bounded round trip, then the same accounting.
         rules.resolve_pending(&mut verdict, started).await;
     }
-    let seed = rejection_seed(&rules, &verdict, &parts, &peer);
-    let mut req = Request::from_parts(parts, body);
-    let decided = shared.clock.now();
     shared
         .metrics
         .decision_seconds
-        .observe(decided.saturating_sub(started) as f64 / 1e9);
+        .observe(shared.clock.now().saturating_sub(started) as f64 / 1e9);
+    verdict
+}
 
-    if let Some(span) = span {
-        let (decision, rule) = match (&verdict.unavailable, &verdict.rejected, verdict.tightest()) {
-            (Some(ri), _, _) => ("unavailable", Some(*ri)),
-            (_, Some(r), _) => ("rejected", Some(r.limited.rule)),
-            (_, _, Some(t)) => ("allowed", Some(t.rule)),
-            _ => ("unlimited", None),
-        };
-        span.record("tollgate.decision", decision);
-        if let Some(ri) = rule {
-            span.record("tollgate.rule", rules.rules[ri].rule.id.as_str());
-        }
+fn record_decision(span: &tracing::Span, rules: &RuleSet, verdict: &Verdict) {
+    let (decision, rule) = match (verdict.outcome(), verdict.tightest()) {
+        (Outcome::Unavailable(ri), _) => ("unavailable", Some(ri)),
+        (Outcome::Reject(r), _) => ("rejected", Some(r.limited.rule)),
+        (Outcome::Admit, Some(t)) => ("allowed", Some(t.rule)),
+        (Outcome::Admit, None) => ("unlimited", None),
+    };
+    span.record("tollgate.decision", decision);
+    if let Some(ri) = rule {
+        span.record("tollgate.rule", rules.rules[ri].rule.id.as_str());
     }
-    if let Some(ri) = verdict.unavailable {
-        return local(response::unavailable(&rules, &verdict, ri, seed));
-    }
-    if let Some(rejection) = &verdict.rejected {
-        let ri = rejection.limited.rule;
-        let rule = &rules.rules[ri];
-        let request = crate::audit::RejectedRequest {
-            policy: &rules.policies[rule.policy].id,
-            method: req.method(),
-            path: req.uri().path(),
-            headers: req.headers(),
-            peer: &peer,
-            trusted_hops: trusted_hops(&rules, ri),
-            span,
-        };
-        shared
-            .audit
-            .rejected(rule, rejection, &request, &shared.metrics);
-        return local(response::too_many_requests(&rules, &verdict, seed));
-    }
+}
+
+fn audit_rejection<B>(
+    shared: &Shared,
+    rules: &RuleSet,
+    rejection: &Rejection,
+    req: &Request<B>,
+    peer: &SocketAddr,
+    span: Option<&tracing::Span>,
+) {
+    let ri = rejection.limited.rule;
+    let rule = &rules.rules[ri];
+    let request = crate::audit::RejectedRequest {
+        policy: &rules.policies[rule.policy].id,
+        method: req.method(),
+        path: req.uri().path(),
+        headers: req.headers(),
+        peer,
+        trusted_hops: trusted_hops(rules, ri),
+        span,
+    };
+    shared
+        .audit
+        .rejected(rule, rejection, &request, &shared.metrics);
+}
+
+/// An admitted request: shaped, sent to the app within the upstream timeout, and its response
+/// (or the app's failure as 502/504) returned with the RateLimit fields.
+async fn forward(
+    shared: Arc<Shared>,
+    rules: Arc<RuleSet>,
+    verdict: Verdict,
+    mut req: Request<Incoming>,
+    peer: SocketAddr,
+    peer_ip: Option<HeaderValue>,
+    span: Option<&tracing::Span>,
+) -> Response<ProxyBody> {
     if verdict.delay > 0 {
         tokio::time::sleep(Duration::from_nanos(verdict.delay)).await;
     }
-
     let inbound_upgrade = is_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
     let mut upstream_req = to_upstream(req, &peer, peer_ip, &shared);
     if let Some(span) = span {
@@ -339,7 +387,7 @@ async fn handle_inner(
     if !verdict.settlements.is_empty() {
         settle_at_response(&rules, &verdict, &result, shared.clock.now());
     }
-    let (mut resp, lease) = match result {
+    let (resp, lease) = match result {
         Ok(Ok(x)) => x,
         Ok(Err(e)) => {
             shared.metrics.upstream_error("connect");
@@ -359,7 +407,19 @@ async fn handle_inner(
             ));
         }
     };
+    admitted_response(&shared, &rules, verdict, resp, lease, inbound_upgrade)
+}
 
+/// The app's response on its way back: hop-by-hop fields dropped (or an upgrade spliced),
+/// the RateLimit fields added, and the permits and pooled connection held until its body ends.
+fn admitted_response(
+    shared: &Shared,
+    rules: &RuleSet,
+    verdict: Verdict,
+    mut resp: Response<Incoming>,
+    lease: crate::upstream::Lease,
+    inbound_upgrade: Option<hyper::upgrade::OnUpgrade>,
+) -> Response<ProxyBody> {
     let mut lease = Some(lease);
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         // The connection now belongs to the upgraded stream, never to the pool.
@@ -380,9 +440,8 @@ async fn handle_inner(
     } else {
         strip_hop_by_hop(resp.headers_mut());
     }
-
     let headers = resp.headers_mut();
-    response::add_admitted_fields(headers, &rules, &verdict);
+    response::add_admitted_fields(headers, rules, &verdict);
     if verdict.shadow_rejections > 0 && shared.config.shadow_header {
         headers.insert(
             response::SHADOW_HEADER.clone(),

@@ -66,23 +66,6 @@ pub fn unavailable_retry_secs(client_seed: u64) -> u64 {
     1 + client_seed % 3
 }
 
-/// The rule's `RateLimit-Policy` item, built once per rule set: `"name";q=100;w=60`, or
-/// `"name";q=10;qu="concurrent-requests"` for a concurrency limit (no window). Rule names are
-/// `[a-z0-9-]`, so they need no escaping in an sf-string.
-pub fn policy_item(rule: &CompiledRule) -> Bytes {
-    let l = &rule.limit;
-    let item = if l.algorithm == Algorithm::Concurrency {
-        format!(
-            "\"{}\";q={};qu=\"concurrent-requests\"",
-            rule.name, l.requests
-        )
-    } else {
-        let window = l.period_ms.div_ceil(1000).max(1);
-        format!("\"{}\";q={};w={window}", rule.name, l.requests)
-    };
-    Bytes::from(item)
-}
-
 /// The draft's `t` for one rule's decision, before rounding up to whole seconds: how long `r`
 /// (the units available now) is all the client gets. `None` for concurrency limits, which have
 /// no time dimension.

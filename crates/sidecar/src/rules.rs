@@ -21,6 +21,7 @@ use crate::block::BlockList;
 use crate::global::{GlobalRule, GlobalRuntime, LocalOutcome};
 use crate::keys::{self, PartValue};
 use crate::metrics::{Metrics, RuleMetrics};
+use crate::quota::quota_for;
 
 /// A rule ready to evaluate.
 pub struct ActiveRule {
@@ -36,6 +37,13 @@ pub struct ActiveRule {
     pub policy_item: bytes::Bytes,
     /// `limit.blockFor`: keys that exceeded the rule, kept across reloads of the same rule.
     pub blocks: Option<Arc<BlockList>>,
+}
+
+impl ActiveRule {
+    /// Whether the rule's `match` (method, path, headers) selects the request.
+    pub fn matches(&self, parts: &Parts) -> bool {
+        self.matcher.matches(parts)
+    }
 }
 
 /// Per-policy settings evaluated once per request.
@@ -113,7 +121,7 @@ impl RuleSet {
                     }
                     (Scope::Local, _) => None,
                 };
-                let policy_item = crate::response::policy_item(rule);
+                let policy_item = policy_item(rule);
                 let blocks = (rule.limit.block_for_ms > 0).then(|| {
                     previous
                         .and_then(|p| p.rules.iter().find(|r| r.rule.id == rule.id))
@@ -155,39 +163,6 @@ impl RuleSet {
     pub fn active_keys(&self) -> usize {
         self.rules.iter().map(|r| r.limiter.len()).sum()
     }
-}
-
-/// Translates a compiled limit into the engine's quota.
-pub fn quota_for(l: &CompiledLimit) -> Result<Quota, limiter::QuotaError> {
-    const MS: Nanos = 1_000_000;
-    let algorithm = match l.algorithm {
-        Algorithm::TokenBucket => limiter::Algorithm::TokenBucket,
-        Algorithm::SlidingWindow => limiter::Algorithm::SlidingWindow,
-        Algorithm::FixedWindow => limiter::Algorithm::FixedWindow,
-        Algorithm::SlidingLog => limiter::Algorithm::SlidingLog,
-        Algorithm::LeakyBucket => limiter::Algorithm::LeakyBucket,
-        Algorithm::Concurrency => limiter::Algorithm::Concurrency,
-    };
-    // Concurrency has no period; one second is only the Retry-After hint. Saturating: a rule
-    // from the stream is not re-validated, and a wrapped period would be a tiny one.
-    let period = if l.period_ms == 0 {
-        1_000 * MS
-    } else {
-        l.period_ms.saturating_mul(MS)
-    };
-    // A leaky bucket passes no bursts: every request beyond the drain rate is delayed.
-    let burst = match l.algorithm {
-        Algorithm::TokenBucket => l.burst,
-        Algorithm::LeakyBucket => 1,
-        _ => l.requests,
-    };
-    Quota::new(
-        algorithm,
-        l.requests,
-        period,
-        burst,
-        l.max_delay_ms.saturating_mul(MS),
-    )
 }
 
 /// Request conditions compiled for evaluation.
@@ -327,7 +302,27 @@ pub struct Settlement {
     pub counted: u64,
 }
 
+/// What the core decided for one request, for an edge to map to its protocol in one place.
+pub enum Outcome<'v> {
+    /// Forward it (after [`Verdict::delay`], holding [`Verdict::permits`]).
+    Admit,
+    /// Refused by a rule: answer "too many requests".
+    Reject(&'v Rejection),
+    /// A fail-closed global rule (its index) cannot reach Redis: answer "unavailable".
+    Unavailable(usize),
+}
+
 impl Verdict {
+    /// The decision; an unavailable rule outranks a rejecting one (the client must not retry
+    /// sooner because of a Retry-After that Redis's absence makes meaningless).
+    pub fn outcome(&self) -> Outcome<'_> {
+        match (self.unavailable, &self.rejected) {
+            (Some(ri), _) => Outcome::Unavailable(ri),
+            (None, Some(r)) => Outcome::Reject(r),
+            (None, None) => Outcome::Admit,
+        }
+    }
+
     /// The admitting rule closest to its limit (smallest remaining/limit), which the
     /// single-rule header profiles report.
     pub fn tightest(&self) -> Option<&Limited> {
@@ -388,6 +383,42 @@ pub enum RuleEvent<'a> {
     },
 }
 
+/// Builds the rule's counter key into `key_buf`. `Some` when the rule does not apply to this
+/// request after all: a bypass key, or a missing key part of a rule that skips those.
+#[inline]
+fn build_key(
+    active: &ActiveRule,
+    policy: &CompiledPolicy,
+    parts: &Parts,
+    peer: &SocketAddr,
+    key_buf: &mut Vec<u8>,
+) -> Option<RuleEvent<'static>> {
+    key_buf.clear();
+    for source in &active.rule.key {
+        let value = keys::extract(source, parts, peer);
+        if value.is_bypass_key(&policy.bypass.keys) {
+            active.metrics.bypassed.inc();
+            return Some(RuleEvent::Bypassed);
+        }
+        if matches!(value, PartValue::Missing) && active.rule.on_missing_key == MissingKey::Skip {
+            return Some(RuleEvent::SkippedMissingKey);
+        }
+        value.append_to(key_buf);
+    }
+    None
+}
+
+/// What [`RuleSet::decide_rule`] did with one rule.
+enum RuleStep {
+    Decided(limiter::Decision),
+    /// Queued on `verdict.pending` for a Redis round trip.
+    Pending,
+    /// A fail-closed rule in shadow mode without Redis: counted, and the next rules decide.
+    Unavailable,
+    /// The verdict is final (fail-closed without Redis): evaluate no further rules.
+    Stop,
+}
+
 impl RuleSet {
     /// Evaluates every matching rule. Stops at the first enforcing rule that rejects, so a
     /// rejected request spends no tokens of the rules after it and costs less than an admitted one.
@@ -419,19 +450,7 @@ impl RuleSet {
         let mut bypassed_policy: Option<(usize, bool)> = None;
         for (ri, active) in self.rules.iter().enumerate() {
             let policy = &self.policies[active.policy].compiled;
-            // Bypass CIDRs are evaluated once per policy.
-            let bypass = match bypassed_policy {
-                Some((pi, b)) if pi == active.policy => b,
-                _ => {
-                    let b = !policy.bypass.cidrs.is_empty()
-                        && keys::client_ip(parts, peer, policy.bypass.trusted_hops)
-                            .ip()
-                            .is_some_and(|ip| policy.bypass.cidrs.iter().any(|n| n.contains(&ip)));
-                    bypassed_policy = Some((active.policy, b));
-                    b
-                }
-            };
-            if bypass {
+            if self.bypassed(active, parts, peer, &mut bypassed_policy) {
                 active.metrics.bypassed.inc();
                 observe(ri, RuleEvent::Bypassed);
                 continue;
@@ -439,26 +458,8 @@ impl RuleSet {
             if !active.matcher.matches(parts) {
                 continue;
             }
-            key_buf.clear();
-            let mut skip = false;
-            for source in &active.rule.key {
-                let value = keys::extract(source, parts, peer);
-                if value.is_bypass_key(&policy.bypass.keys) {
-                    skip = true;
-                    active.metrics.bypassed.inc();
-                    observe(ri, RuleEvent::Bypassed);
-                    break;
-                }
-                if matches!(value, PartValue::Missing)
-                    && active.rule.on_missing_key == MissingKey::Skip
-                {
-                    skip = true;
-                    observe(ri, RuleEvent::SkippedMissingKey);
-                    break;
-                }
-                value.append_to(key_buf);
-            }
-            if skip {
+            if let Some(event) = build_key(active, policy, parts, peer, key_buf) {
+                observe(ri, event);
                 continue;
             }
             let cost = request_cost(&active.rule.cost, parts);
@@ -469,45 +470,15 @@ impl RuleSet {
             } else {
                 cost
             };
-            let blocked = active
-                .blocks
-                .as_ref()
-                .and_then(|b| b.remaining(key_hash, now));
-            let decision = if let Some(wait) = blocked {
-                blocked_decision(&active.rule.limit, wait)
-            } else if let Some(g) = &active.global {
-                let (field, _) = g.field_for(key_buf);
-                match g.try_local(&field, key_buf, now, charge) {
-                    LocalOutcome::Decided(d) => d,
-                    LocalOutcome::NeedRemote => {
-                        verdict.pending.push(Pending {
-                            rule: ri,
-                            key: key_buf.clone(),
-                            cost: charge,
-                            counted: cost,
-                            key_hash,
-                        });
-                        continue;
-                    }
-                    LocalOutcome::Unavailable => {
-                        if self.unavailable(&mut verdict, ri, now) {
-                            return verdict;
-                        }
-                        continue;
-                    }
-                }
-            } else if active.rule.limit.algorithm == Algorithm::Concurrency {
-                match active.limiter.acquire_permit(key_buf, now, charge) {
-                    Ok(permit) => {
-                        // Remaining = the cap less what is in flight, this request included.
-                        let d = *permit.decision();
-                        verdict.permits.push(permit);
-                        d
-                    }
-                    Err(d) => d,
-                }
-            } else {
-                active.limiter.check(key_buf, now, charge)
+            let charged = Charge {
+                reserved: charge,
+                counted: cost,
+                now,
+            };
+            let decision = match self.decide_rule(&mut verdict, ri, key_buf, key_hash, &charged) {
+                RuleStep::Decided(d) => d,
+                RuleStep::Pending | RuleStep::Unavailable => continue,
+                RuleStep::Stop => return verdict,
             };
             observe(
                 ri,
@@ -517,16 +488,88 @@ impl RuleSet {
                     decision: &decision,
                 },
             );
-            let charged = Charge {
-                reserved: charge,
-                counted: cost,
-                now,
-            };
             if self.account(&mut verdict, ri, decision, key_hash, key_buf, charged) {
                 return verdict;
             }
         }
         verdict
+    }
+
+    /// Whether the request's client is in the rule's policy's bypass CIDRs; evaluated once per
+    /// policy (`cache` holds the last policy's answer: rules of a policy are adjacent).
+    #[inline]
+    fn bypassed(
+        &self,
+        active: &ActiveRule,
+        parts: &Parts,
+        peer: &SocketAddr,
+        cache: &mut Option<(usize, bool)>,
+    ) -> bool {
+        if let Some((pi, b)) = *cache
+            && pi == active.policy
+        {
+            return b;
+        }
+        let bypass = &self.policies[active.policy].compiled.bypass;
+        let b = !bypass.cidrs.is_empty()
+            && keys::client_ip(parts, peer, bypass.trusted_hops)
+                .ip()
+                .is_some_and(|ip| bypass.cidrs.iter().any(|n| n.contains(&ip)));
+        *cache = Some((active.policy, b));
+        b
+    }
+
+    /// One enforcing rule's decision for the key in `key_buf`: from its block list, its lease
+    /// or its local limiter. A global key that needs Redis is queued on `verdict.pending`;
+    /// a fail-closed rule without Redis marks the verdict unavailable.
+    #[inline]
+    fn decide_rule(
+        &self,
+        verdict: &mut Verdict,
+        ri: usize,
+        key_buf: &[u8],
+        key_hash: u64,
+        charged: &Charge,
+    ) -> RuleStep {
+        let active = &self.rules[ri];
+        let (now, charge) = (charged.now, charged.reserved);
+        if let Some(wait) = active
+            .blocks
+            .as_ref()
+            .and_then(|b| b.remaining(key_hash, now))
+        {
+            return RuleStep::Decided(blocked_decision(&active.rule.limit, wait));
+        }
+        if let Some(g) = &active.global {
+            let (field, _) = g.field_for(key_buf);
+            return match g.try_local(&field, key_buf, now, charge) {
+                LocalOutcome::Decided(d) => RuleStep::Decided(d),
+                LocalOutcome::NeedRemote => {
+                    verdict.pending.push(Pending {
+                        rule: ri,
+                        key: key_buf.to_vec(),
+                        cost: charge,
+                        counted: charged.counted,
+                        key_hash,
+                    });
+                    RuleStep::Pending
+                }
+                LocalOutcome::Unavailable if self.unavailable(verdict, ri, now) => RuleStep::Stop,
+                LocalOutcome::Unavailable => RuleStep::Unavailable,
+            };
+        }
+        if active.rule.limit.algorithm == Algorithm::Concurrency {
+            return RuleStep::Decided(match active.limiter.acquire_permit(key_buf, now, charge) {
+                Ok(permit) => {
+                    // Remaining = the cap less what is in flight, this request included.
+                    let d = *permit.decision();
+                    verdict.permits.push(permit);
+                    d
+                }
+                Err(d) => d,
+            });
+        }
+        RuleStep::Decided(active.limiter.check(key_buf, now, charge))
     }
 
     /// Records one rule's decision; returns true when the request is rejected (stop evaluating).
@@ -691,7 +734,7 @@ impl RuleSet {
 
 /// Tokens this request spends: the header value when present and numeric, clamped to
 /// `[1, max]`; otherwise the fixed amount.
-fn request_cost(cost: &CompiledCost, parts: &Parts) -> u64 {
+pub(crate) fn request_cost(cost: &CompiledCost, parts: &Parts) -> u64 {
     let from_header = cost
         .header
         .as_deref()
@@ -729,6 +772,23 @@ impl KeyHasher {
         h.write(key);
         h.finish()
     }
+}
+
+/// The rule's `RateLimit-Policy` item, built once per rule set: `"name";q=100;w=60`, or
+/// `"name";q=10;qu="concurrent-requests"` for a concurrency limit (no window). Rule names are
+/// `[a-z0-9-]`, so they need no escaping in an sf-string.
+fn policy_item(rule: &CompiledRule) -> bytes::Bytes {
+    let l = &rule.limit;
+    let item = if l.algorithm == Algorithm::Concurrency {
+        format!(
+            "\"{}\";q={};qu=\"concurrent-requests\"",
+            rule.name, l.requests
+        )
+    } else {
+        let window = l.period_ms.div_ceil(1000).max(1);
+        format!("\"{}\";q={};w={window}", rule.name, l.requests)
+    };
+    bytes::Bytes::from(item)
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
-use tollgate_crd::compiled::{Accuracy, Algorithm, CompiledRule, FailureMode};
+use tollgate_crd::compiled::{Accuracy, Algorithm, CompiledLimit, CompiledRule, FailureMode};
 use tollgate_limiter::{Decision, KeyedLimiter, Nanos, Quota, StoreConfig};
 
 use super::GlobalMetrics;
@@ -326,6 +326,8 @@ pub enum LocalOutcome {
 /// A global rule's leasing state.
 pub struct GlobalRule {
     pub rule_id: String,
+    /// The compiled limit, divided among the live sidecars for the fallback share.
+    limit: CompiledLimit,
     pub policy_id: String,
     algorithm: u8,
     requests: u64,
@@ -366,11 +368,12 @@ impl GlobalRule {
             .ok_or_else(|| format!("{}: {:?} cannot be global", rule.id, rule.limit.algorithm))?;
         let capacity = rule.capacity();
         let fallback = Arc::new(KeyedLimiter::new(
-            share_quota(rule, 1).map_err(|e| format!("{}: {e}", rule.id))?,
+            share_quota(&rule.limit, 1).map_err(|e| format!("{}: {e}", rule.id))?,
             store_config,
         ));
         Ok(GlobalRule {
             rule_id: rule.id.clone(),
+            limit: rule.limit,
             policy_id: policy_id.to_string(),
             algorithm,
             requests: rule.limit.requests,
@@ -408,11 +411,10 @@ impl GlobalRule {
     }
 
     /// Updates the membership count; recomputes the share when it changed.
-    pub fn set_live_sidecars(&self, n: u32, rule: Option<&CompiledRule>) {
+    pub fn set_live_sidecars(&self, n: u32) {
         let n = n.max(1);
         if self.live.swap(n, Ordering::Relaxed) != n
-            && let Some(rule) = rule
-            && let Ok(q) = share_quota(rule, n)
+            && let Ok(q) = share_quota(&self.limit, n)
         {
             self.fallback
                 .store(Arc::new(KeyedLimiter::new(q, self.store_config)));
@@ -530,6 +532,19 @@ impl GlobalRule {
         let group = u32::from_le_bytes([field[0], field[1], field[2], field[3]])
             % self.runtime.store.groups;
         (field, group)
+    }
+
+    /// This pod's lease for a counter key, read without touching it (for `/debug/why`):
+    /// the tokens held here and the bucket's balance at Redis's last answer. `None` when this
+    /// pod holds no lease for the key.
+    pub fn peek_lease(&self, key: &[u8]) -> Option<(u64, u64)> {
+        let (field, _) = self.field_for(key);
+        self.slot(&field).map(|s| {
+            (
+                s.tokens.load(Ordering::Acquire),
+                s.global_remaining.load(Ordering::Acquire),
+            )
+        })
     }
 
     fn shard(&self, field: &[u8; 16]) -> &Mutex<HashMap<[u8; 16], Arc<Slot>>> {
@@ -1307,12 +1322,12 @@ fn take_up_to(a: &AtomicU64, n: u64) -> u64 {
 }
 
 /// The local fallback quota: the rule's limit divided among `n` sidecars.
-fn share_quota(rule: &CompiledRule, n: u32) -> Result<Quota, tollgate_limiter::QuotaError> {
-    let mut limit = rule.limit;
+fn share_quota(limit: &CompiledLimit, n: u32) -> Result<Quota, tollgate_limiter::QuotaError> {
+    let mut limit = *limit;
     let n = u64::from(n.max(1));
     limit.requests = (limit.requests / n).max(1);
     limit.burst = (limit.burst / n).max(1);
-    crate::rules::quota_for(&limit)
+    crate::quota::quota_for(&limit)
 }
 
 #[cfg(test)]
