@@ -21,7 +21,8 @@ use tollgate_limiter::{Nanos, StoreConfig};
 use tollgate_sidecar::global::store::{LeaseReply, parse_lease_reply};
 use tollgate_sidecar::keys::{self, ClientAddr, PartValue};
 use tollgate_sidecar::metrics::Metrics;
-use tollgate_sidecar::rules::{KeyHasher, RuleSet, quota_for};
+use tollgate_sidecar::quota::quota_for;
+use tollgate_sidecar::rules::{KeyHasher, RuleSet};
 
 /// A target body: must not panic on any input.
 pub type Target = fn(&[u8]);
