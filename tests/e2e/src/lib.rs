@@ -154,6 +154,19 @@ pub fn k8sbin_dir() -> PathBuf {
     PathBuf::from(cached_bin_dir(&repo_root()))
 }
 
+/// `prometheus` or `promtool`, built from Go modules by `tools/k8sbin/build.sh` into
+/// [`k8sbin_dir`]; a missing one fails the test with how to get it.
+pub fn prometheus_bin(name: &str) -> PathBuf {
+    let bin = k8sbin_dir().join(name);
+    assert!(
+        bin.is_file(),
+        "{} is missing: build it with `tools/k8sbin/build.sh` (./tools/test-all.sh runs it), \
+         or point K8SBIN_DIR at a directory that holds it",
+        bin.display()
+    );
+    bin
+}
+
 /// The cache folder `build.sh` writes for the pinned versions.
 fn cached_bin_dir(root: &Path) -> String {
     let versions =
