@@ -91,6 +91,29 @@ impl KeyedLimiter {
         }
     }
 
+    /// The key's state at `now` as a zero-cost decision (`remaining`, `reset`), without
+    /// charging, creating or refreshing anything: for debugging views. `None` when the key has
+    /// no stored state (never seen, or evicted while idle): its next request sees the full
+    /// quota. For [`Algorithm::Concurrency`], `remaining` is the cap less what is in flight.
+    pub fn peek(&self, key: &[u8], now: Nanos) -> Option<Decision> {
+        fn query<S: crate::LimiterState + Clone>(
+            s: &Store<S>,
+            key: &[u8],
+            now: Nanos,
+        ) -> Option<Decision> {
+            // A copy decides, so the stored state is untouched (cost 0 is a query).
+            s.peek_entry(s.hash(key), |st, p| st.clone().acquire_with(p, now, 0))
+        }
+        match &self.inner {
+            Inner::TokenBucket(s) => query(s, key, now),
+            Inner::SlidingWindow(s) => query(s, key, now),
+            Inner::FixedWindow(s) => query(s, key, now),
+            Inner::SlidingLog(s) => query(s, key, now),
+            Inner::LeakyBucket(s) => query(s, key, now),
+            Inner::Concurrency(s) => s.peek_entry(s.hash(key), |st, p| st.peek(p, 0)),
+        }
+    }
+
     /// Settles a charge whose size was known only after the decision (see
     /// [`LimiterState::settle`](crate::LimiterState::settle)): `delta` more units taken
     /// (possibly into debt), or given back when negative.

@@ -249,6 +249,20 @@ impl<S: LimiterState> Store<S> {
         }
     }
 
+    /// Runs `f` on the key's stored state, if the key has one; creates nothing.
+    #[inline]
+    pub(crate) fn peek_entry<R>(
+        &self,
+        key: KeyHash,
+        f: impl FnOnce(&S, &Params) -> R,
+    ) -> Option<R> {
+        let guard = self.shard(key).lock();
+        guard
+            .table
+            .find(key, |e| e.key == key)
+            .map(|e| f(&e.state, &self.params))
+    }
+
     /// Evicts every idle entry (see [`StoreConfig::idle_ttl`]); returns how many.
     pub(crate) fn evict_idle(&self, now: Nanos) -> usize {
         self.shards

@@ -425,3 +425,36 @@ fn keyed_limiter_is_send_sync() {
     assert_send_sync::<Permit>();
     assert_send_sync::<FakeClock>();
 }
+
+#[test]
+fn peek_reads_a_key_without_charging_or_creating_it() {
+    let now = 42 * SECOND;
+    for algorithm in [
+        Algorithm::TokenBucket,
+        Algorithm::SlidingWindow,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingLog,
+        Algorithm::LeakyBucket,
+    ] {
+        let l = limiter(Quota::per_period(algorithm, 5, SECOND).unwrap());
+        assert!(
+            l.peek(b"k", now).is_none(),
+            "{algorithm:?}: an unseen key has no state"
+        );
+        assert!(l.is_empty(), "{algorithm:?}: peeking created an entry");
+        assert_eq!(admitted(&l, b"k", now, 3), 3, "{algorithm:?}");
+        for _ in 0..10 {
+            let d = l.peek(b"k", now).expect("a charged key has state");
+            assert_eq!(d.remaining, 2, "{algorithm:?}: {d:?}");
+            assert_eq!(d.limit, 5, "{algorithm:?}: {d:?}");
+        }
+        // Peeking 10 times took nothing: the 2 left are still there.
+        assert_eq!(admitted(&l, b"k", now, 5), 2, "{algorithm:?}");
+        assert_eq!(l.peek(b"k", now).map(|d| d.remaining), Some(0));
+    }
+    let c = limiter(Quota::per_period(Algorithm::Concurrency, 3, SECOND).unwrap());
+    let held = c.acquire_permit(b"k", now, 1).expect("permit");
+    assert_eq!(c.peek(b"k", now).map(|d| d.remaining), Some(2));
+    drop(held);
+    assert_eq!(c.peek(b"k", now).map(|d| d.remaining).unwrap_or(3), 3);
+}

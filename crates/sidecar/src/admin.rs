@@ -170,6 +170,10 @@ fn route(
                 .collect();
             json(&serde_json::json!({ "topKeys": top }))
         }
+        "/debug/why" => match crate::explain::why(shared, req.uri().query()) {
+            Ok(v) => json(&v),
+            Err(e) => text(StatusCode::BAD_REQUEST, format!("/debug/why: {e}\n")),
+        },
         "/debug/config" => json(&serde_json::json!({
             "version": shared.rules.load().version,
             "keyIdentity": shared.audit.identity_source(),

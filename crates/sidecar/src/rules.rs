@@ -39,13 +39,6 @@ pub struct ActiveRule {
     pub blocks: Option<Arc<BlockList>>,
 }
 
-impl ActiveRule {
-    /// Whether the rule's `match` (method, path, headers) selects the request.
-    pub fn matches(&self, parts: &Parts) -> bool {
-        self.matcher.matches(parts)
-    }
-}
-
 /// Per-policy settings evaluated once per request.
 pub struct PolicyRuntime {
     pub compiled: CompiledPolicy,
@@ -383,8 +376,30 @@ pub enum RuleEvent<'a> {
     },
 }
 
-/// Builds the rule's counter key into `key_buf`. `Some` when the rule does not apply to this
-/// request after all: a bypass key, or a missing key part of a rule that skips those.
+/// Why a matching rule does not count a request after all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeySkip {
+    /// A key part is one of the policy's bypass keys.
+    BypassKey,
+    /// A key part is missing and the rule says `onMissingKey: Skip`.
+    MissingKey,
+}
+
+/// How one rule treats one request, before any counter is read: what
+/// [`RuleSet::applies`] tells `/debug/why`. [`RuleSet::decide`] takes the same steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Applies {
+    /// The client address is in the policy's bypass networks.
+    BypassedNetwork,
+    /// Method, path or headers differ from the rule's match.
+    NotMatched,
+    Skipped(KeySkip),
+    /// The rule counts the request under the key now in `key_buf`.
+    Counted,
+}
+
+/// Builds the rule's counter key into `key_buf`, or says why the rule does not apply to this
+/// request after all. Pure: the caller counts what it skips.
 #[inline]
 fn build_key(
     active: &ActiveRule,
@@ -392,20 +407,28 @@ fn build_key(
     parts: &Parts,
     peer: &SocketAddr,
     key_buf: &mut Vec<u8>,
-) -> Option<RuleEvent<'static>> {
+) -> Result<(), KeySkip> {
     key_buf.clear();
     for source in &active.rule.key {
         let value = keys::extract(source, parts, peer);
         if value.is_bypass_key(&policy.bypass.keys) {
-            active.metrics.bypassed.inc();
-            return Some(RuleEvent::Bypassed);
+            return Err(KeySkip::BypassKey);
         }
         if matches!(value, PartValue::Missing) && active.rule.on_missing_key == MissingKey::Skip {
-            return Some(RuleEvent::SkippedMissingKey);
+            return Err(KeySkip::MissingKey);
         }
         value.append_to(key_buf);
     }
-    None
+    Ok(())
+}
+
+/// Whether the client address is in the policy's bypass networks.
+#[inline]
+fn client_bypassed(bypass: &CompiledBypass, parts: &Parts, peer: &SocketAddr) -> bool {
+    !bypass.cidrs.is_empty()
+        && keys::client_ip(parts, peer, bypass.trusted_hops)
+            .ip()
+            .is_some_and(|ip| bypass.cidrs.iter().any(|n| n.contains(&ip)))
 }
 
 /// What [`RuleSet::decide_rule`] did with one rule.
@@ -458,9 +481,17 @@ impl RuleSet {
             if !active.matcher.matches(parts) {
                 continue;
             }
-            if let Some(event) = build_key(active, policy, parts, peer, key_buf) {
-                observe(ri, event);
-                continue;
+            match build_key(active, policy, parts, peer, key_buf) {
+                Ok(()) => {}
+                Err(KeySkip::BypassKey) => {
+                    active.metrics.bypassed.inc();
+                    observe(ri, RuleEvent::Bypassed);
+                    continue;
+                }
+                Err(KeySkip::MissingKey) => {
+                    observe(ri, RuleEvent::SkippedMissingKey);
+                    continue;
+                }
             }
             let cost = request_cost(&active.rule.cost, parts);
             let key_hash = hasher.hash(key_buf);
@@ -495,6 +526,29 @@ impl RuleSet {
         verdict
     }
 
+    /// How rule `ri` treats a request, in the order [`RuleSet::decide`] checks: nothing is
+    /// charged or counted. On [`Applies::Counted`] the rule's key is in `key_buf`.
+    pub fn applies(
+        &self,
+        ri: usize,
+        parts: &Parts,
+        peer: &SocketAddr,
+        key_buf: &mut Vec<u8>,
+    ) -> Applies {
+        let active = &self.rules[ri];
+        let policy = &self.policies[active.policy].compiled;
+        if client_bypassed(&policy.bypass, parts, peer) {
+            return Applies::BypassedNetwork;
+        }
+        if !active.matcher.matches(parts) {
+            return Applies::NotMatched;
+        }
+        match build_key(active, policy, parts, peer, key_buf) {
+            Ok(()) => Applies::Counted,
+            Err(skip) => Applies::Skipped(skip),
+        }
+    }
+
     /// Whether the request's client is in the rule's policy's bypass CIDRs; evaluated once per
     /// policy (`cache` holds the last policy's answer: rules of a policy are adjacent).
     #[inline]
@@ -510,11 +564,7 @@ impl RuleSet {
         {
             return b;
         }
-        let bypass = &self.policies[active.policy].compiled.bypass;
-        let b = !bypass.cidrs.is_empty()
-            && keys::client_ip(parts, peer, bypass.trusted_hops)
-                .ip()
-                .is_some_and(|ip| bypass.cidrs.iter().any(|n| n.contains(&ip)));
+        let b = client_bypassed(&self.policies[active.policy].compiled.bypass, parts, peer);
         *cache = Some((active.policy, b));
         b
     }
