@@ -148,6 +148,8 @@ pub struct PolicyView {
     pub sidecars_in_sync: u32,
     /// The status on the object as last seen by the watch.
     pub observed_status: Option<RateLimitPolicyStatus>,
+    /// How long ago `compiled` last changed in this replica's index (propagation time).
+    pub compiled_age: Duration,
 }
 
 /// What one controller replica tells the others: the pods with an open stream to it and, for
@@ -849,6 +851,7 @@ impl Index {
                     sidecars_total: total,
                     sidecars_in_sync: in_sync,
                     observed_status: p.status.clone(),
+                    compiled_age: p.changed_at.elapsed(),
                 });
             }
         }
@@ -876,6 +879,7 @@ impl Index {
             sidecars_total: total,
             sidecars_in_sync: in_sync,
             observed_status: p.status.clone(),
+            compiled_age: p.changed_at.elapsed(),
         })
     }
 

@@ -123,6 +123,7 @@ pub fn desired_status(
         }
     };
 
+    let is_programmed = programmed.0 == "True";
     let condition = |type_: &str, (status, reason, message): (&str, &str, String)| {
         let previous = base.and_then(|b| b.conditions.iter().find(|c| c.type_ == type_));
         let last_transition_time = match previous {
@@ -156,7 +157,35 @@ pub fn desired_status(
             .unwrap_or_default(),
         // Filled from the fleet's reports by the writer (`crate::top_keys`).
         top_limited_keys: None,
+        propagation: propagation(view, base, is_programmed, now),
     }
+}
+
+/// The last accepted generation's propagation: measured once, when every selected sidecar
+/// first enforces it, then kept (a sidecar joining later does not move it). Before that, the
+/// previous generation's figure stays.
+fn propagation(
+    view: &PolicyView,
+    base: Option<&RateLimitPolicyStatus>,
+    programmed: bool,
+    now: &Time,
+) -> Option<tollgate_crd::policy::Propagation> {
+    let previous = base.and_then(|b| b.propagation.clone());
+    let Some(generation) = view.compiled.as_ref().map(|c| c.generation) else {
+        return previous;
+    };
+    if previous
+        .as_ref()
+        .is_some_and(|p| p.generation == generation)
+        || !programmed
+    {
+        return previous;
+    }
+    Some(tollgate_crd::policy::Propagation {
+        generation,
+        duration_millis: u64::try_from(view.compiled_age.as_millis()).unwrap_or(u64::MAX),
+        completed: now.0.to_string(),
+    })
 }
 
 /// Each Global rule's mode with `sidecars` connected (what `accuracy: Auto` chooses).

@@ -608,6 +608,23 @@ pub struct RateLimitPolicyStatus {
     /// the sidecars' reports and refreshed at most every `--top-keys-interval`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_limited_keys: Option<TopLimitedKeys>,
+    /// How long the last accepted generation took to reach every selected sidecar.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub propagation: Option<Propagation>,
+}
+
+/// The time from the leader compiling a generation to every connected sidecar the policy
+/// selects acknowledging it, as the leader learned it (acks reported by other controller
+/// replicas arrive with their membership heartbeat, which the figure then includes).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Propagation {
+    /// The generation measured.
+    pub generation: i64,
+    /// Milliseconds from compile to the last acknowledgement.
+    pub duration_millis: u64,
+    /// When the last acknowledgement was seen (RFC 3339).
+    pub completed: String,
 }
 
 /// The most-rejected keys of a policy, fleet-wide.

@@ -28,6 +28,7 @@ fn view(errors: Vec<FieldError>, compiled: bool, total: u32, in_sync: u32) -> Po
         sidecars_total: total,
         sidecars_in_sync: in_sync,
         observed_status: None,
+        compiled_age: Duration::from_millis(420),
     }
 }
 
@@ -51,6 +52,32 @@ fn accepted_and_programmed_when_all_sidecars_acked() {
     assert_eq!(s.sidecars_in_sync, Some(3));
     assert_eq!(s.rules_version, Some(7));
     assert_eq!(s.observed_generation, Some(3));
+}
+
+#[test]
+fn propagation_is_measured_once_per_generation() {
+    // Not every sidecar has it yet: nothing to report.
+    let pending = desired_status(&view(vec![], true, 3, 1), None, &time(100));
+    assert_eq!(pending.propagation, None);
+    // The last ack: measured from the compile, stamped now.
+    let done = desired_status(&view(vec![], true, 3, 3), Some(&pending), &time(101));
+    let p = done.propagation.clone().expect("measured");
+    assert_eq!(p.duration_millis, 420);
+    assert_eq!(p.completed, time(101).0.to_string());
+    // Later passes (a sidecar joins and syncs) keep the figure: the write is stable.
+    let mut later = view(vec![], true, 4, 4);
+    later.compiled_age = Duration::from_secs(60);
+    let again = desired_status(&later, Some(&done), &time(160));
+    assert_eq!(again.propagation, Some(p.clone()));
+    // A new generation still in flight shows the previous one's figure.
+    let mut next = view(vec![], true, 4, 2);
+    next.compiled = next.compiled.map(|c| {
+        let mut c = (*c).clone();
+        c.generation = 4;
+        Arc::new(c)
+    });
+    let in_flight = desired_status(&next, Some(&again), &time(170));
+    assert_eq!(in_flight.propagation, Some(p));
 }
 
 #[test]
