@@ -1,0 +1,325 @@
+//! `kubectl tollgate why`: asks one pod's sidecar (`GET /debug/why` on its admin port)
+//! through the API server's port-forward, which connects on the pod's loopback, where the
+//! sidecar answers `/debug/*`.
+
+use anyhow::Context as _;
+use http_body_util::BodyExt as _;
+use k8s_openapi::api::core::v1::{Container, Pod};
+use kube::api::Api;
+use serde_json::Value;
+
+use crate::cli::{Output, WhyArgs};
+use crate::client::{Kube, describe};
+use crate::output::{structured, table};
+
+/// The injected sidecar's container name and admin port name (the controller's webhook
+/// sets both; see crates/controller/src/webhook/inject.rs).
+const SIDECAR_CONTAINER: &str = "tollgate-sidecar";
+const ADMIN_PORT_NAMES: [&str; 2] = ["tollgate-admin", "admin"];
+
+pub async fn run(kube: &Kube, args: &WhyArgs) -> anyhow::Result<()> {
+    let pods: Api<Pod> = Api::namespaced(kube.client.clone(), &kube.namespace);
+    let pod = pods.get(&args.pod).await.map_err(|e| {
+        describe(
+            e,
+            &format!("pod {:?} in namespace {:?}", args.pod, kube.namespace),
+        )
+    })?;
+    let id = format!("{}/{}", kube.namespace, args.pod);
+    let (container, port) =
+        admin_port(&pod, args.container.as_deref()).with_context(|| format!("pod {id}"))?;
+    let phase = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.phase.clone())
+        .unwrap_or_default();
+    if phase != "Running" {
+        anyhow::bail!("pod {id} is {phase:?}, not Running: its sidecar cannot be asked");
+    }
+    let query = query(args);
+    let answer = ask(&pods, &args.pod, port, &format!("/debug/why?{query}"))
+        .await
+        .with_context(|| {
+            format!("asking the sidecar (container {container}, port {port}) of pod {id}")
+        })?;
+    if structured(&answer, args.output)? {
+        return Ok(());
+    }
+    print!(
+        "{}",
+        render(&id, &answer, args.output == Some(Output::Wide))
+    );
+    Ok(())
+}
+
+/// The sidecar container and its admin port number, from the pod spec.
+fn admin_port(pod: &Pod, wanted: Option<&str>) -> anyhow::Result<(String, u16)> {
+    let spec = pod.spec.as_ref().context("has no spec")?;
+    let all: Vec<&Container> = spec
+        .init_containers
+        .iter()
+        .flatten()
+        .chain(spec.containers.iter())
+        .collect();
+    let has_admin = |c: &&&Container| {
+        c.ports.iter().flatten().any(|p| {
+            p.name
+                .as_deref()
+                .is_some_and(|n| ADMIN_PORT_NAMES.contains(&n))
+        })
+    };
+    let container = match wanted {
+        Some(name) => all
+            .iter()
+            .find(|c| c.name == name)
+            .with_context(|| format!("has no container {name:?}"))?,
+        None => all
+            .iter()
+            .find(|c| c.name == SIDECAR_CONTAINER)
+            .or_else(|| all.iter().find(has_admin))
+            .with_context(|| {
+                format!(
+                    "has no tollgate sidecar (no container named {SIDECAR_CONTAINER}): is its \
+                     namespace labelled tollgate.dev/inject=enabled? -c names the container"
+                )
+            })?,
+    };
+    let port = container
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| {
+            p.name
+                .as_deref()
+                .is_some_and(|n| ADMIN_PORT_NAMES.contains(&n))
+        })
+        .with_context(|| {
+            format!(
+                "container {} has no port named {}",
+                container.name,
+                ADMIN_PORT_NAMES.join(" or ")
+            )
+        })?;
+    let number = u16::try_from(port.container_port)
+        .with_context(|| format!("admin port {} is out of range", port.container_port))?;
+    Ok((container.name.clone(), number))
+}
+
+/// The query of `/debug/why` (see crates/sidecar/src/explain.rs).
+fn query(args: &WhyArgs) -> String {
+    let mut q = form_urlencoded::Serializer::new(String::new());
+    q.append_pair("method", &args.method);
+    q.append_pair("path", &args.path);
+    for (name, value) in &args.headers {
+        q.append_pair("header", &format!("{name}:{value}"));
+    }
+    if let Some(ip) = args.client_ip {
+        q.append_pair("clientIp", &ip.to_string());
+    }
+    q.finish()
+}
+
+/// One HTTP/1.1 GET to `port` on the pod's loopback through the API server's port-forward.
+async fn ask(pods: &Api<Pod>, pod: &str, port: u16, path: &str) -> anyhow::Result<Value> {
+    let mut forwarder = pods
+        .portforward(pod, &[port])
+        .await
+        .context("opening a port-forward through the API server (needs pods/portforward)")?;
+    let stream = forwarder
+        .take_stream(port)
+        .context("the port-forward has no stream")?;
+    let result = async {
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .context("HTTP handshake over the port-forward")?;
+        let conn = tokio::spawn(conn);
+        let request = http::Request::get(path)
+            .header(http::header::HOST, "localhost")
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .context("building the request")?;
+        let response = sender
+            .send_request(request)
+            .await
+            .context("sending the request")?;
+        let status = response.status();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .context("reading the answer")?
+            .to_bytes();
+        conn.abort();
+        let text = String::from_utf8_lossy(&body);
+        match status.as_u16() {
+            200 => serde_json::from_slice(&body).context("the answer is not JSON"),
+            404 => anyhow::bail!(
+                "the sidecar does not serve /debug/why (it predates this plugin: upgrade tollgate)"
+            ),
+            _ => anyhow::bail!("the sidecar answered {status}: {}", text.trim()),
+        }
+    }
+    .await;
+    forwarder.abort();
+    result
+}
+
+/// The table: one line per rule.
+fn render(pod: &str, answer: &Value, wide: bool) -> String {
+    let req = &answer["request"];
+    let headers: Vec<&str> = req["headers"]
+        .as_array()
+        .map(|h| h.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let mut out = format!(
+        "pod {pod}: rules version {}; request {} {}{}, client IP {}\n",
+        answer["version"],
+        req["method"].as_str().unwrap_or("?"),
+        req["path"].as_str().unwrap_or("?"),
+        if headers.is_empty() {
+            String::new()
+        } else {
+            format!(" (headers {})", headers.join(", "))
+        },
+        req["clientIp"].as_str().unwrap_or("?"),
+    );
+    let rules = answer["rules"].as_array().cloned().unwrap_or_default();
+    if rules.is_empty() {
+        out.push_str("No rules in force in this sidecar: nothing is limited.\n");
+        return out;
+    }
+    let mut columns = vec![
+        "POLICY", "RULE", "MATCH", "OUTCOME", "MODE", "KEY-HASH", "STATE",
+    ];
+    if wide {
+        columns.extend(["SCOPE", "RULE-DOES", "DETAIL"]);
+    }
+    let rows: Vec<Vec<String>> = rules
+        .iter()
+        .map(|r| {
+            let s = |v: &Value| v.as_str().unwrap_or("-").to_string();
+            let outcome = r["outcome"].as_str().unwrap_or("-");
+            let short = outcome.split(':').next().unwrap_or(outcome).to_string();
+            let mut row = vec![
+                s(&r["policy"]),
+                s(&r["rule"]),
+                if r["matches"].as_bool() == Some(true) {
+                    "yes".into()
+                } else {
+                    "no".into()
+                },
+                short,
+                s(&r["mode"]),
+                s(&r["keyHash"]),
+                state(&r["state"]),
+            ];
+            if wide {
+                row.extend([s(&r["scope"]), s(&r["describe"]), outcome.to_string()]);
+            }
+            row
+        })
+        .collect();
+    out.push_str(&table(&columns, &rows, false));
+    out
+}
+
+/// A key's state in words.
+fn state(s: &Value) -> String {
+    if s.is_null() {
+        return "-".into();
+    }
+    let n = |k: &str| s[k].as_u64();
+    if let Some(ms) = n("blockedForMs") {
+        return format!(
+            "blocked for {}",
+            crate::output::age(ms.div_ceil(1000) as i64)
+        );
+    }
+    if s["store"] == "redis" {
+        let mode = s["globalMode"].as_str().unwrap_or("?");
+        return match (n("leasedHere"), n("bucketRemaining")) {
+            (Some(here), Some(bucket)) => {
+                format!("{mode}: {here} leased here, {bucket} left in Redis")
+            }
+            (Some(here), None) => format!("{mode}: {here} leased here"),
+            _ => format!("{mode}: not tracked here (balance in Redis)"),
+        };
+    }
+    match (n("remaining"), n("limit")) {
+        (Some(remaining), Some(limit)) => {
+            if let Some(in_flight) = n("inFlight") {
+                return format!("{in_flight}/{limit} in flight");
+            }
+            let reset = n("resetMs").unwrap_or(0);
+            if reset == 0 {
+                format!("{remaining}/{limit} left")
+            } else {
+                format!(
+                    "{remaining}/{limit} left, full in {}",
+                    crate::output::age(reset.div_ceil(1000) as i64)
+                )
+            }
+        }
+        _ => "not tracked (full limit)".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn states_read_in_words() {
+        let v = |s: &str| serde_json::from_str::<Value>(s).unwrap();
+        assert_eq!(
+            state(&v(
+                r#"{"tracked":true,"limit":20,"remaining":19,"resetMs":2500}"#
+            )),
+            "19/20 left, full in 3s"
+        );
+        assert_eq!(
+            state(&v(r#"{"tracked":false,"note":"x"}"#)),
+            "not tracked (full limit)"
+        );
+        assert_eq!(
+            state(&v(r#"{"tracked":true,"blockedForMs":61000}"#)),
+            "blocked for 61s"
+        );
+        assert_eq!(
+            state(&v(
+                r#"{"store":"redis","globalMode":"Leased","leasedHere":4,"bucketRemaining":90}"#
+            )),
+            "Leased: 4 leased here, 90 left in Redis"
+        );
+        assert_eq!(
+            state(&v(
+                r#"{"store":"redis","globalMode":"Exact","tracked":false}"#
+            )),
+            "Exact: not tracked here (balance in Redis)"
+        );
+        assert_eq!(state(&Value::Null), "-");
+    }
+
+    #[test]
+    fn the_admin_port_comes_from_the_pod_spec() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p"},
+            "spec": {
+                "initContainers": [{"name": "tollgate-sidecar", "ports": [
+                    {"name": "tollgate-http", "containerPort": 8081},
+                    {"name": "tollgate-admin", "containerPort": 9191}]}],
+                "containers": [{"name": "app", "ports": [{"name": "http", "containerPort": 8080}]}]
+            }
+        }))
+        .unwrap();
+        assert_eq!(
+            admin_port(&pod, None).unwrap(),
+            ("tollgate-sidecar".into(), 9191)
+        );
+        assert_eq!(admin_port(&pod, Some("tollgate-sidecar")).unwrap().1, 9191);
+        let e = admin_port(&pod, Some("app")).unwrap_err().to_string();
+        assert!(e.contains("no port named tollgate-admin"), "{e}");
+        let e = admin_port(&pod, Some("nope")).unwrap_err().to_string();
+        assert!(e.contains("no container \"nope\""), "{e}");
+    }
+}
