@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from conftest import (APP_NS, RELEASE, ROOT, SYSTEM_NS, apply, eventually, get, helm, kjson,
-                      kubectl, pods, ready, run)
+                      kubectl, need_env, pods, ready, run)
 
 APP = "shop-api"
 REDIS_DEV = ["--set", "redis.dev.enabled=true", "--set", "redis.dev.image.repository=tollgate.test/redis",
@@ -342,6 +342,61 @@ def test_one_client_has_one_key_hash_in_every_pod():
     assert len(seen) >= 2, f"rejections logged by at least two pods: {seen}"
     assert all(hashes == {expected} for hashes in seen.values()), (expected, seen)
     print(f"MEASURE customer-1 is {expected} in the audit lines of {len(seen)} pods")
+    CUSTOMER_1["key_hash"] = expected
+
+
+# What the key-hash test found, for the plugin test after it.
+CUSTOMER_1 = {}
+
+
+def plugin(*args, **kw):
+    """`kubectl tollgate ...`: kubectl finds the plugin binary `cargo test` built on PATH."""
+    env = dict(os.environ, PATH=os.path.join(ROOT, "target", "debug") + ":" + os.environ["PATH"])
+    p = subprocess.run(["kubectl", "tollgate", *args], capture_output=True, text=True, env=env,
+                       timeout=kw.get("timeout", 60))
+    if kw.get("check", True) and p.returncode != 0:
+        raise AssertionError(f"kubectl tollgate {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def test_kubectl_tollgate_status_top_and_why_on_real_pods():
+    """The plugin against the real cluster: `status` shows the policy Accepted, Programmed and in
+    sync on the three pods; `top` shows customer-1, rejected by the pods above, under the identity
+    the audit lines carry; `why` asks one pod's sidecar through the API server's port-forward
+    (kubelet and containerd in the pod's network namespace) and names the rule, the outcome and
+    the same identity."""
+    expected = CUSTOMER_1.get("key_hash")
+    assert expected, "runs after test_one_client_has_one_key_hash_in_every_pod"
+    table = plugin("status", "-n", APP_NS).stdout
+    print(table)
+    row = next((l.split() for l in table.splitlines() if l.startswith("shop-api-keys ")), None)
+    assert row and row[1:3] == ["True", "True"], table
+    in_sync, total = row[3].split("/")
+    assert in_sync == total and int(total) >= 2, table
+    listed = json.loads(plugin("status", "-A", "-o", "json").stdout)
+    assert any(p["name"] == "shop-api-keys" and p["namespace"] == APP_NS for p in listed["items"]), listed
+
+    def top():
+        p = plugin("top", "shop-api-keys", "-n", APP_NS, "-o", "json")
+        keys = (json.loads(p.stdout).get("topLimitedKeys") or {}).get("keys", [])
+        return keys if any(k["keyHash"] == expected for k in keys) else None
+    # Sidecars report every 10 s and the leader writes status every 30 s.
+    keys = eventually("customer-1 in status.topLimitedKeys", top, timeout=120, every=2)
+    first = next(k for k in keys if k["keyHash"] == expected)
+    assert first["rule"] == "per-api-key" and first["rejected"] >= 15 and first["podCount"] >= 2, keys
+    print(plugin("top", "shop-api-keys", "-n", APP_NS).stdout)
+
+    pod = next(p["metadata"]["name"] for p in pods(APP_NS, f"app={APP}") if ready(p))
+    why = plugin("why", "-n", APP_NS, "--pod", pod, "--path", "/", "--header", "x-api-key=customer-1")
+    print(why.stdout)
+    assert "per-api-key" in why.stdout and expected in why.stdout, why.stdout
+    answer = json.loads(plugin("why", "-n", APP_NS, "--pod", pod, "--header", "x-api-key=customer-1",
+                               "-o", "json").stdout)
+    rule = next(r for r in answer["rules"] if r["rule"] == "per-api-key")
+    assert rule["matches"] and rule["outcome"] == "limited" and rule["keyHash"] == expected, rule
+    assert rule["state"]["globalMode"] and rule["state"]["liveSidecars"] == int(total), rule
+    missing = plugin("why", "-n", APP_NS, "--pod", "no-such-pod", check=False)
+    assert missing.returncode == 1 and "not found" in missing.stderr, (missing.returncode, missing.stderr)
 
 
 GLOBAL_POLICY = shop_policy("shop-global", """
@@ -537,6 +592,120 @@ OUTAGE_POLICY = shop_policy("shop-outage", """
       limit: {requests: 100000, period: 1h}
       failureMode: Closed
 """)
+
+
+def scaled_alert_rules():
+    """The chart's alert file with each minute lasting 2 s: `[5m]` -> `[10s]`, `for: 10m` ->
+    `for: 20s` (what tests/e2e/tests/alert_rules.rs scales and checks; the promtool unit tests
+    there run the shipped durations). Nothing but durations changes."""
+    text = open(os.path.join(ROOT, "charts/tollgate/alerts/tollgate-alerts.yaml")).read()
+    text = re.sub(r"\[(\d+)m\]", lambda m: f"[{int(m[1]) * 2}s]", text)
+    text = re.sub(r"(?m)^(\s*for:\s*)(\d+)m\s*$", lambda m: f"{m[1]}{int(m[2]) * 2}s", text)
+    assert not re.search(r"\[\d+[mhdwy]\]|for:\s*\d+[mhd]", text), "a duration this test does not scale"
+    return text
+
+
+class Prometheus:
+    """A real Prometheus in the node's network namespace, scraping the real pods the way the
+    chart's ServiceMonitor (controller, port `stream`, /metrics) and a PodMonitor on the injected
+    `tollgate-admin` port would; static targets stand in for service discovery, with the
+    `namespace` and `pod` labels discovery attaches."""
+
+    def __init__(self, tmp):
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        def port_of(pod, container, port_name):
+            c = next(c for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"] if c["name"] == container)
+            return next(p["containerPort"] for p in c["ports"] if p["name"] == port_name)
+        targets = [(p["status"]["podIP"], port_of(p, "tollgate-sidecar", "tollgate-admin"), APP_NS, p["metadata"]["name"])
+                   for p in pods(APP_NS, f"app={APP}") if ready(p)]
+        targets += [(p["status"]["podIP"], port_of(p, "controller", "stream"), SYSTEM_NS, p["metadata"]["name"])
+                    for p in pods(SYSTEM_NS, CONTROLLER) if ready(p)]
+        self.targets = len(targets)
+        static = "".join(f"  - targets: ['{ip}:{port}']\n    labels: {{namespace: {ns}, pod: {name}}}\n"
+                         for ip, port, ns, name in targets)
+        (tmp / "rules.yaml").write_text(scaled_alert_rules())
+        (tmp / "prometheus.yaml").write_text(
+            "global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
+            "rule_files: [rules.yaml]\nscrape_configs:\n- job_name: tollgate\n  metrics_path: /metrics\n"
+            f"  static_configs:\n{static}")
+        binary = os.path.join(need_env("K8SBIN_DIR"), "prometheus")
+        assert os.path.isfile(binary), f"{binary} is missing: tools/k8sbin/build.sh builds it"
+        self.log = open(tmp / "prometheus.log", "w")
+        self.proc = subprocess.Popen([binary, f"--config.file={tmp / 'prometheus.yaml'}",
+                                      f"--storage.tsdb.path={tmp / 'data'}",
+                                      f"--web.listen-address=127.0.0.1:{self.port}"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def api(self, path, **params):
+        import urllib.parse
+        import urllib.request
+        url = f"http://127.0.0.1:{self.port}{path}?{urllib.parse.urlencode(params)}"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            body = json.loads(r.read())
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def alerts(self, state=None):
+        return [a for a in self.api("/api/v1/alerts")["alerts"] if state in (None, a["state"])]
+
+    def firing(self, name):
+        return [a for a in self.alerts("firing") if a["labels"]["alertname"] == name]
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.log.close()
+
+
+def test_alerts_fire_and_resolve_on_real_pods(tmp_path):
+    """The shipped alerts (durations scaled) on a real Prometheus scraping the real sidecar and
+    controller pods: TollgateHighRejectionRate fires while one client floods a per-key rule and
+    resolves after; TollgateFailOpen fires while Redis is down under traffic on a fail-open rule
+    and resolves after it is back."""
+    apply(OUTAGE_POLICY)
+    kubectl("wait", "-n", APP_NS, "rlp/shop-outage", "--for=condition=Programmed", "--timeout=60s")
+    prom = Prometheus(tmp_path)
+    try:
+        eventually("Prometheus scraping every pod", lambda: (lambda t: len(t) == prom.targets and all(
+            x["health"] == "up" for x in t))(prom.api("/api/v1/targets", state="active")["activeTargets"]), timeout=60)
+        assert prom.targets >= 4, prom.targets
+        targets = app_targets()
+        started = time.monotonic()
+        with Load(targets, headers={"x-api-key": "abuser"}, workers=2):
+            fired = eventually("TollgateHighRejectionRate firing", lambda: prom.firing("TollgateHighRejectionRate"), timeout=90)
+            burst_fired = time.monotonic() - started
+        alert = next(a for a in fired if a["labels"]["policy"] == f"{APP_NS}/shop-api-keys")
+        assert alert["labels"]["rule"] == "per-api-key" and alert["labels"]["namespace"] == APP_NS, alert
+        stopped = time.monotonic()
+        eventually("TollgateHighRejectionRate resolved", lambda: not prom.firing("TollgateHighRejectionRate"), timeout=90)
+        burst_resolved = time.monotonic() - stopped
+
+        with Load(targets, headers={"x-outage": "open"}) as load:
+            kubectl("scale", "-n", SYSTEM_NS, f"deployment/{RELEASE}-redis", "--replicas=0")
+            down = time.monotonic()
+            fired = eventually("TollgateFailOpen firing", lambda: prom.firing("TollgateFailOpen"), timeout=90)
+            outage_fired = time.monotonic() - down
+            assert fired[0]["labels"]["namespace"] == APP_NS, fired
+            during = sorted({(a["labels"]["alertname"], a["state"]) for a in prom.alerts()})
+            kubectl("scale", "-n", SYSTEM_NS, f"deployment/{RELEASE}-redis", "--replicas=1")
+            redis_ready()
+            back = time.monotonic()
+            eventually("TollgateFailOpen resolved", lambda: not prom.firing("TollgateFailOpen"), timeout=90)
+            outage_resolved = time.monotonic() - back
+        assert set(load.counts()) <= {200}, f"the fail-open rule kept admitting: {load.counts()}"
+        print(f"MEASURE real pods: TollgateHighRejectionRate firing {burst_fired:.1f}s into the flood, resolved "
+              f"{burst_resolved:.1f}s after it; TollgateFailOpen firing {outage_fired:.1f}s after Redis went down, "
+              f"resolved {outage_resolved:.1f}s after it was back; alerts during the outage: {during}")
+    finally:
+        prom.stop()
+        kubectl("scale", "-n", SYSTEM_NS, f"deployment/{RELEASE}-redis", "--replicas=1")
 
 
 def test_a_redis_outage_follows_each_rules_failure_mode():
