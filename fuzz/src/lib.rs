@@ -542,6 +542,7 @@ pub fn key_extraction(data: &[u8]) {
     });
     sources.push(KeySource::Constant(param.clone()));
     sources.push(KeySource::Endpoint);
+    sources.push(KeySource::Descriptor(param.clone()));
     let bypass = [param.clone(), "203.0.113.7".to_string(), "k1".to_string()];
     let mut buf = Vec::new();
     for s in &sources {

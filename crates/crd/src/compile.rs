@@ -278,7 +278,7 @@ fn compile_rule(
         );
     }
 
-    CompiledRule {
+    let compiled = CompiledRule {
         id: format!("{namespace}/{policy_name}/{}", rule.name),
         name: rule.name.clone(),
         matches,
@@ -291,7 +291,9 @@ fn compile_rule(
         mode: rule.mode,
         failure_mode: rule.failure_mode.unwrap_or(spec.failure_mode),
         count_statuses,
-    }
+    };
+    check_one_kind_of_request(rule, &compiled, path, errs);
+    compiled
 }
 
 /// `401` or `"4xx"` into inclusive ranges.
@@ -393,10 +395,67 @@ fn compile_match(m: &Match, path: &str, errs: &mut Errors) -> CompiledMatch {
             value,
         });
     }
+    let mut descriptors = Vec::with_capacity(m.descriptors.len());
+    for (i, d) in m.descriptors.iter().enumerate() {
+        if d.key.is_empty() {
+            errs.push(format!("{path}.descriptors[{i}].key"), "must not be empty");
+        }
+        descriptors.push(DescriptorCondition {
+            key: d.key.clone(),
+            value: d.value.clone(),
+        });
+    }
     CompiledMatch {
         methods,
         path: path_cond,
         headers,
+        descriptors,
+    }
+}
+
+/// A rule decides either HTTP requests (sidecar) or Envoy descriptors (rate limit service):
+/// refuses a rule that mixes the two, naming the first HTTP-only field.
+fn check_one_kind_of_request(
+    rule: &PolicyRule,
+    compiled: &CompiledRule,
+    path: &str,
+    errs: &mut Errors,
+) {
+    if !compiled.for_descriptors() {
+        return;
+    }
+    let m = &compiled.matches;
+    let mut http_fields: Vec<String> = Vec::new();
+    if !m.methods.is_empty() {
+        http_fields.push(format!("{path}.match.methods"));
+    }
+    if m.path.is_some() {
+        http_fields.push(format!("{path}.match.path"));
+    }
+    if !m.headers.is_empty() {
+        http_fields.push(format!("{path}.match.headers"));
+    }
+    for (i, part) in rule.key.iter().enumerate() {
+        if part.descriptor.is_none() && part.constant.is_none() {
+            http_fields.push(format!("{path}.key[{i}]"));
+        }
+    }
+    if rule
+        .cost
+        .as_ref()
+        .is_some_and(|c| c.header.is_some() || c.response_header.is_some())
+    {
+        http_fields.push(format!("{path}.cost"));
+    }
+    if !compiled.count_statuses.is_empty() {
+        http_fields.push(format!("{path}.count"));
+    }
+    if let Some(first) = http_fields.into_iter().next() {
+        errs.push(
+            first,
+            "is about HTTP requests, but the rule matches or keys on rate limit service \
+             descriptors: a rule decides one or the other (split it into two rules)",
+        );
     }
 }
 
@@ -408,6 +467,7 @@ fn compile_key_part(part: &KeyPart, path: &str, errs: &mut Errors) -> Option<Key
         part.jwt_claim.is_some(),
         part.constant.is_some(),
         part.endpoint.is_some(),
+        part.descriptor.is_some(),
     ]
     .iter()
     .filter(|x| **x)
@@ -415,9 +475,15 @@ fn compile_key_part(part: &KeyPart, path: &str, errs: &mut Errors) -> Option<Key
     if set != 1 {
         errs.push(
             path,
-            "set exactly one of header, clientIP, queryParam, jwtClaim, constant or endpoint",
+            "set exactly one of header, clientIP, queryParam, jwtClaim, constant, endpoint or descriptor",
         );
         return None;
+    }
+    if let Some(d) = &part.descriptor {
+        if d.is_empty() {
+            errs.push(format!("{path}.descriptor"), "must not be empty");
+        }
+        return Some(KeySource::Descriptor(d.clone()));
     }
     if let Some(h) = &part.header {
         check_header_name(h, &format!("{path}.header"), errs);

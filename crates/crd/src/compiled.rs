@@ -119,6 +119,16 @@ pub struct CompiledRule {
 }
 
 impl CompiledRule {
+    /// Whether the rule decides Envoy rate limit descriptors (tollgate's rate limit service)
+    /// rather than HTTP requests: it has descriptor conditions or descriptor key parts.
+    pub fn for_descriptors(&self) -> bool {
+        !self.matches.descriptors.is_empty()
+            || self
+                .key
+                .iter()
+                .any(|k| matches!(k, KeySource::Descriptor(_)))
+    }
+
     /// Whether the rule's cost is settled when the response arrives (a response-header cost
     /// or status-filtered counting): the request takes `cost.reserve` up front.
     pub fn settles_at_response(&self) -> bool {
@@ -152,6 +162,18 @@ pub struct CompiledMatch {
     pub path: Option<PathCondition>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub headers: Vec<HeaderCondition>,
+    /// Envoy descriptor entries the request must carry (rate limit service rules only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub descriptors: Vec<DescriptorCondition>,
+}
+
+/// A descriptor entry condition: the entry is present, with `value` if given.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct DescriptorCondition {
+    pub key: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value: Option<String>,
 }
 
 /// A path condition. Regexes are validated and match the whole path.
@@ -199,6 +221,8 @@ pub enum KeySource {
     },
     Constant(String),
     Endpoint,
+    /// An entry of an Envoy rate limit descriptor, by key.
+    Descriptor(String),
 }
 
 /// The limit with durations in milliseconds and defaults applied.
@@ -346,7 +370,11 @@ impl CompiledRule {
     /// What the rule does where it runs: a sidecar without Redis enforces a Global rule on its
     /// own, and saying "shared by all sidecars" there would be untrue.
     pub fn describe_where(&self, backend: GlobalBackend) -> String {
-        let what = self.matches.describe();
+        let what = if self.for_descriptors() && self.matches.descriptors.is_empty() {
+            "rate limit service descriptors".to_string()
+        } else {
+            self.matches.describe()
+        };
         let per = if self.key.is_empty() {
             "one counter shared by all matching requests".to_string()
         } else {
@@ -462,6 +490,17 @@ impl CompiledRule {
 
 impl CompiledMatch {
     fn describe(&self) -> String {
+        if !self.descriptors.is_empty() {
+            let entries: Vec<String> = self
+                .descriptors
+                .iter()
+                .map(|d| match &d.value {
+                    Some(v) => format!("{}={v}", d.key),
+                    None => d.key.clone(),
+                })
+                .collect();
+            return format!("rate limit service descriptors with {}", entries.join(", "));
+        }
         let mut out = if self.methods.is_empty() {
             "all requests".to_string()
         } else {
@@ -501,6 +540,7 @@ impl KeySource {
             }
             KeySource::Constant(c) => format!("constant {c:?}"),
             KeySource::Endpoint => "method and path".to_string(),
+            KeySource::Descriptor(k) => format!("descriptor entry {k}"),
         }
     }
 }

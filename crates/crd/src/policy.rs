@@ -221,6 +221,29 @@ pub struct Match {
     #[schemars(length(max = 16))]
     #[x_kube(merge_strategy = ListMerge::Atomic)]
     pub headers: Vec<HeaderMatch>,
+
+    /// For tollgate's Envoy rate limit service: entries the descriptor Envoy sends must carry
+    /// (all of them; other entries may be present too). A rule with descriptor conditions or
+    /// descriptor key parts decides descriptors only, never HTTP requests, and cannot also
+    /// have method, path or header conditions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8))]
+    #[x_kube(merge_strategy = ListMerge::Atomic)]
+    pub descriptors: Vec<DescriptorMatch>,
+}
+
+/// A descriptor entry condition. Without `value` the entry only has to be present.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct DescriptorMatch {
+    /// The entry's key, as Envoy's `rate_limits` actions name it (`descriptor_key`, or
+    /// `generic_key`, `remote_address`, `header_match` for the built-in actions).
+    #[schemars(length(min = 1, max = 256))]
+    pub key: String,
+    /// The entry's value equals this exactly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    pub value: Option<String>,
 }
 
 /// HTTP request method.
@@ -299,7 +322,7 @@ pub struct HeaderMatch {
 /// One part of the counter key: exactly one field is set.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("[has(self.header), has(self.clientIP), has(self.queryParam), has(self.jwtClaim), has(self.constant), has(self.endpoint)].filter(x, x).size() == 1").message("spec.rules[].key[]: set exactly one of header, clientIP, queryParam, jwtClaim, constant or endpoint"))]
+#[x_kube(validation = Rule::new("[has(self.header), has(self.clientIP), has(self.queryParam), has(self.jwtClaim), has(self.constant), has(self.endpoint), has(self.descriptor)].filter(x, x).size() == 1").message("spec.rules[].key[]: set exactly one of header, clientIP, queryParam, jwtClaim, constant, endpoint or descriptor"))]
 pub struct KeyPart {
     /// The value of this request header, e.g. `x-api-key`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -325,6 +348,11 @@ pub struct KeyPart {
     /// The request's method and path (`POST /payments/42`): one bucket per endpoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoint: Option<EndpointKey>,
+    /// The value of this entry of an Envoy rate limit descriptor (tollgate's rate limit
+    /// service), e.g. `api_key`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub descriptor: Option<String>,
 }
 
 /// The client IP address as a key part.

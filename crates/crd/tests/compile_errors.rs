@@ -585,3 +585,93 @@ fn the_webhook_json_path_collects_unknown_fields_too() {
     // Decoding stays lenient: the rest of the policy is there.
     assert_eq!(decoded.policy.spec.rules[0].limit.requests, 1);
 }
+
+#[test]
+fn descriptor_rules_compile_and_say_what_they_decide() {
+    let yaml = rule(
+        "    match: {descriptors: [{key: route, value: checkout}, {key: api_key}]}\n    key: [{descriptor: api_key}]\n    limit: {requests: 5, period: 1s}\n",
+    );
+    let docs = parse_yaml_documents(&yaml).unwrap();
+    let compiled = docs[0].compile().unwrap();
+    let r = &compiled.rules[0];
+    assert!(r.for_descriptors());
+    assert_eq!(r.key, vec![KeySource::Descriptor("api_key".into())]);
+    assert_eq!(
+        r.matches.descriptors,
+        vec![
+            DescriptorCondition {
+                key: "route".into(),
+                value: Some("checkout".into())
+            },
+            DescriptorCondition {
+                key: "api_key".into(),
+                value: None
+            },
+        ]
+    );
+    let said = r.describe();
+    assert!(
+        said.starts_with(
+            "r: rate limit service descriptors with route=checkout, api_key: 5 requests per 1s"
+        ) && said.contains("per descriptor entry api_key"),
+        "{said}"
+    );
+    // A key part alone makes a descriptor rule too; a constant fits either kind.
+    let yaml = rule(
+        "    key: [{descriptor: tenant}, {constant: gold}]\n    limit: {requests: 5, period: 1s}\n",
+    );
+    let r = &parse_yaml_documents(&yaml).unwrap()[0]
+        .compile()
+        .unwrap()
+        .rules[0];
+    assert!(r.for_descriptors());
+    let said = r.describe();
+    assert!(
+        said.starts_with("r: rate limit service descriptors: ")
+            && said.contains("per descriptor entry tenant + constant \"gold\""),
+        "{said}"
+    );
+    // An HTTP rule is not one.
+    let yaml = rule("    key: [{header: x-api-key}]\n    limit: {requests: 5, period: 1s}\n");
+    assert!(
+        !parse_yaml_documents(&yaml).unwrap()[0]
+            .compile()
+            .unwrap()
+            .rules[0]
+            .for_descriptors()
+    );
+}
+
+#[test]
+fn a_rule_is_for_http_requests_or_for_descriptors_not_both() {
+    for (body, path) in [
+        (
+            "    match: {descriptors: [{key: route}], path: {prefix: /api}}\n    limit: {requests: 5, period: 1s}\n",
+            "spec.rules[0].match.path",
+        ),
+        (
+            "    match: {methods: [GET]}\n    key: [{descriptor: api_key}]\n    limit: {requests: 5, period: 1s}\n",
+            "spec.rules[0].match.methods",
+        ),
+        (
+            "    key: [{descriptor: api_key}, {header: x-user}]\n    limit: {requests: 5, period: 1s}\n",
+            "spec.rules[0].key[1]",
+        ),
+        (
+            "    key: [{descriptor: api_key}]\n    cost: {header: x-cost}\n    limit: {requests: 5, period: 1s}\n",
+            "spec.rules[0].cost",
+        ),
+    ] {
+        assert_error(&rule(body), path, "rate limit service descriptors");
+    }
+    assert_error(
+        &rule("    key: [{descriptor: \"\"}]\n    limit: {requests: 5, period: 1s}\n"),
+        "spec.rules[0].key[0].descriptor",
+        "must not be empty",
+    );
+    assert_error(
+        &rule("    key: [{descriptor: a, header: b}]\n    limit: {requests: 5, period: 1s}\n"),
+        "spec.rules[0].key[0]",
+        "or descriptor",
+    );
+}

@@ -1,5 +1,5 @@
 //! Where a rule's counter key comes from: headers, the client address, query parameters, JWT
-//! claims, constants and the endpoint.
+//! claims, constants, the endpoint, and the entries of an Envoy rate limit descriptor.
 //!
 //! Extraction appends into a caller-owned buffer so a request with a warm buffer allocates only
 //! for the rare sources that need decoding (percent-encoded query values, JWT payloads).
@@ -15,6 +15,24 @@ use tollgate_crd::compiled::KeySource;
 pub const PART_SEPARATOR: u8 = 0x1f;
 /// Largest JWT (in bytes) whose payload is decoded; larger tokens count as missing.
 const MAX_JWT_BYTES: usize = 8 * 1024;
+
+/// One Envoy rate limit descriptor, as the rate limit service presents it to the decision core:
+/// in the extensions of an otherwise empty request, so the core's request facts stay one type.
+/// Rules with descriptor conditions or key parts match only requests that carry one.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Descriptor {
+    pub entries: Vec<(String, String)>,
+}
+
+impl Descriptor {
+    /// The value of the first entry with `key`.
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.entries
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+}
 
 /// The client address a rule or bypass list sees: the TCP peer, or the entry `trusted_hops`
 /// places from the right of `X-Forwarded-For`.
@@ -136,6 +154,14 @@ pub fn extract<'a>(source: &'a KeySource, parts: &'a Parts, peer: &SocketAddr) -
         KeySource::Endpoint => PartValue::Bytes(Cow::Owned(
             format!("{} {}", parts.method, parts.uri.path()).into_bytes(),
         )),
+        KeySource::Descriptor(key) => match parts
+            .extensions
+            .get::<Descriptor>()
+            .and_then(|d| d.get(key))
+        {
+            Some(v) => PartValue::Bytes(Cow::Borrowed(v.as_bytes())),
+            None => PartValue::Missing,
+        },
     }
 }
 

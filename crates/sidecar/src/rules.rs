@@ -123,8 +123,7 @@ impl RuleSet {
                         .unwrap_or_else(|| Arc::new(BlockList::new(rule.limit.block_for_ms)))
                 });
                 rules.push(ActiveRule {
-                    matcher: Matcher::new(&rule.matches)
-                        .map_err(|e| format!("{}: match: {e}", rule.id))?,
+                    matcher: Matcher::new(rule).map_err(|e| format!("{}: match: {e}", rule.id))?,
                     metrics: metrics.rule(&policy_id, &rule.name),
                     rule: rule.clone(),
                     policy: pi,
@@ -164,6 +163,10 @@ struct Matcher {
     methods: u16,
     path: Option<PathMatcher>,
     headers: Vec<(HeaderName, ValueMatcher)>,
+    /// The rule decides rate limit service descriptors ([`keys::Descriptor`]), not HTTP
+    /// requests.
+    for_descriptors: bool,
+    descriptors: Vec<(String, Option<String>)>,
 }
 
 enum PathMatcher {
@@ -194,7 +197,8 @@ fn method_bit(m: &http::Method) -> u16 {
 }
 
 impl Matcher {
-    fn new(m: &CompiledMatch) -> Result<Matcher, String> {
+    fn new(rule: &CompiledRule) -> Result<Matcher, String> {
+        let m = &rule.matches;
         let methods = m.methods.iter().fold(0u16, |acc, method| {
             acc | method_bit(
                 &http::Method::from_bytes(method.as_str().as_bytes()).unwrap_or_default(),
@@ -229,10 +233,26 @@ impl Matcher {
             methods,
             path,
             headers,
+            for_descriptors: rule.for_descriptors(),
+            descriptors: m
+                .descriptors
+                .iter()
+                .map(|d| (d.key.clone(), d.value.clone()))
+                .collect(),
         })
     }
 
     fn matches(&self, parts: &Parts) -> bool {
+        let descriptor = parts.extensions.get::<keys::Descriptor>();
+        if self.for_descriptors != descriptor.is_some() {
+            return false;
+        }
+        if let Some(d) = descriptor {
+            return self.descriptors.iter().all(|(key, value)| {
+                d.get(key)
+                    .is_some_and(|v| value.as_deref().is_none_or(|want| want == v))
+            });
+        }
         if self.methods != 0 && self.methods & method_bit(&parts.method) == 0 {
             return false;
         }
@@ -869,5 +889,106 @@ mod tests {
             ..CompiledCost::default()
         };
         assert_eq!(request_cost(&cost, &parts), 1);
+    }
+
+    fn descriptor_request(entries: &[(&str, &str)]) -> Parts {
+        let mut parts = http::Request::new(()).into_parts().0;
+        parts.extensions.insert(keys::Descriptor {
+            entries: entries
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        });
+        parts
+    }
+
+    /// One HTTP rule and two descriptor rules (Local, 2 per minute): HTTP requests meet only
+    /// the first, descriptors only the others, keyed by their entry's value.
+    #[test]
+    fn descriptor_rules_decide_descriptors_and_http_rules_http_requests() {
+        let yaml = r#"apiVersion: tollgate.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {name: p, namespace: ns}
+spec:
+  targetRef: {selector: {}}
+  rules:
+  - name: http
+    scope: Local
+    key: [{header: x-api-key}]
+    limit: {requests: 2, period: 1m}
+  - name: per-key
+    scope: Local
+    match: {descriptors: [{key: route, value: checkout}]}
+    key: [{descriptor: api_key}]
+    limit: {requests: 2, period: 1m}
+  - name: any-route
+    scope: Local
+    key: [{descriptor: route}]
+    onMissingKey: Skip
+    limit: {requests: 100, period: 1m}
+"#;
+        let policy = tollgate_crd::parse_yaml_documents(yaml).unwrap()[0]
+            .compile()
+            .unwrap();
+        let rules = RuleSet::build(
+            1,
+            vec![policy],
+            None,
+            &StoreConfig::default(),
+            &Metrics::new(),
+            None,
+        )
+        .unwrap();
+        let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let hasher = KeyHasher::random();
+        let mut buf = Vec::new();
+        let applies = |parts: &Parts, buf: &mut Vec<u8>| -> Vec<Applies> {
+            (0..3)
+                .map(|ri| rules.applies(ri, parts, &peer, buf))
+                .collect()
+        };
+        let http = http::Request::builder()
+            .header("x-api-key", "a")
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0;
+        assert_eq!(
+            applies(&http, &mut buf),
+            [Applies::Counted, Applies::NotMatched, Applies::NotMatched]
+        );
+        let checkout = descriptor_request(&[("route", "checkout"), ("api_key", "k1")]);
+        assert_eq!(
+            applies(&checkout, &mut buf),
+            [Applies::NotMatched, Applies::Counted, Applies::Counted]
+        );
+        let other = descriptor_request(&[("route", "search"), ("api_key", "k1")]);
+        assert_eq!(
+            applies(&other, &mut buf),
+            [Applies::NotMatched, Applies::NotMatched, Applies::Counted]
+        );
+        let no_route = descriptor_request(&[("api_key", "k1")]);
+        assert_eq!(
+            applies(&no_route, &mut buf),
+            [
+                Applies::NotMatched,
+                Applies::NotMatched,
+                Applies::Skipped(KeySkip::MissingKey)
+            ]
+        );
+        // The limit counts per api_key value: k1 gets 2, then k2 still gets 2.
+        let admitted = |parts: &Parts, buf: &mut Vec<u8>| {
+            rules
+                .decide(parts, &peer, 0, buf, &hasher)
+                .rejected
+                .is_none()
+        };
+        let k2 = descriptor_request(&[("route", "checkout"), ("api_key", "k2")]);
+        let seen: Vec<bool> = (0..3).map(|_| admitted(&checkout, &mut buf)).collect();
+        assert_eq!(seen, [true, true, false]);
+        assert!(admitted(&k2, &mut buf));
+        // HTTP requests keep their own counter.
+        assert!(admitted(&http, &mut buf) && admitted(&http, &mut buf));
+        assert!(!admitted(&http, &mut buf));
     }
 }
