@@ -12,7 +12,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 
 use crate::controller::StreamHealth;
-use crate::proxy::{Shared, is_ready};
+use crate::engine::{Shared, is_ready};
 
 /// The rule stream being reported on, in controller mode.
 #[derive(Clone)]

@@ -14,9 +14,10 @@ use crate::args::RunArgs;
 use crate::audit::AuditLog;
 use crate::config;
 use crate::controller::{Apply, ControllerConfig};
+use crate::engine::Shared;
 use crate::global::{GlobalRuntime, LeaseSettings, Membership};
 use crate::metrics::Metrics;
-use crate::proxy::{self, ProxyConfig, Shared};
+use crate::proxy::{self, Proxy, ProxyConfig};
 use crate::rules::RuleSet;
 
 /// How often idle keys are evicted from the in-memory limiters.
@@ -89,13 +90,6 @@ pub async fn run(
     };
     let metrics = Metrics::new();
     let shared = Arc::new(Shared::new(
-        ProxyConfig {
-            upstream,
-            upstream_timeout: args.upstream_timeout,
-            header_read_timeout: args.header_read_timeout,
-            max_header_bytes: args.max_header_bytes,
-            shadow_header: args.shadow_header,
-        },
         metrics,
         AuditLog::new(
             args.audit_per_second,
@@ -103,6 +97,16 @@ pub async fn run(
             identity,
             args.key_hash_secret_file.is_some(),
         ),
+    ));
+    let proxy = Arc::new(Proxy::new(
+        Arc::clone(&shared),
+        ProxyConfig {
+            upstream,
+            upstream_timeout: args.upstream_timeout,
+            header_read_timeout: args.header_read_timeout,
+            max_header_bytes: args.max_header_bytes,
+            shadow_header: args.shadow_header,
+        },
     )?);
     let store = StoreConfig {
         max_keys: args.max_keys_per_rule,
@@ -171,7 +175,7 @@ pub async fn run(
     tracing::info!(
         listen = %listener.local_addr()?,
         admin = %admin.local_addr()?,
-        upstream = %shared.config.upstream,
+        upstream = %proxy.config.upstream,
         rules = %source,
         redis = redis.as_deref(),
         "tollgate-sidecar started"
@@ -222,7 +226,7 @@ pub async fn run(
     });
     let evict_task = tokio::spawn(evict_loop(Arc::clone(&shared)));
 
-    proxy::serve(listener, Arc::clone(&shared), shutdown, args.drain_timeout).await;
+    proxy::serve(listener, proxy, shutdown, args.drain_timeout).await;
     if let Some(task) = sync_task {
         task.abort();
     }

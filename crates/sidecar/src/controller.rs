@@ -18,7 +18,7 @@ use tollgate_crd::stream::{
 };
 
 use crate::args::WithoutRules;
-use crate::proxy::Shared;
+use crate::engine::Shared;
 use crate::rules_cache::RulesCache;
 
 /// Where and as whom to connect.

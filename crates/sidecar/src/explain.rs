@@ -12,9 +12,9 @@ use serde_json::{Value, json};
 use tollgate_crd::compiled::{Algorithm, GlobalBackend, MissingKey};
 use tollgate_limiter::Nanos;
 
+use crate::engine::Shared;
 use crate::global::GlobalRule;
 use crate::keys::{self, PartValue};
-use crate::proxy::Shared;
 use crate::rules::{ActiveRule, Applies, KeySkip, RuleSet, request_cost};
 
 /// The request to explain, from the query: `method` (default GET), `path` (default `/`, may carry

@@ -10,6 +10,7 @@ pub mod block;
 pub mod cli;
 pub mod config;
 pub mod controller;
+pub mod engine;
 pub mod explain;
 pub mod global;
 pub mod identity;

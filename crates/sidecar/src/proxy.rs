@@ -9,11 +9,9 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use arc_swap::{ArcSwap, ArcSwapOption};
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
@@ -23,13 +21,12 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tollgate_crd::compiled::KeySource;
-use tollgate_limiter::{Clock, MonotonicClock, Permit};
+use tollgate_limiter::{Clock, Permit};
 
-use crate::audit::AuditLog;
+use crate::engine::Shared;
 use crate::keys;
-use crate::metrics::Metrics;
 use crate::response;
-use crate::rules::{KeyHasher, Outcome, Rejection, RuleSet, Verdict};
+use crate::rules::{Outcome, Rejection, RuleSet, Verdict};
 use crate::telemetry;
 use crate::upstream::{Lease, Upstream};
 use tracing::Instrument;
@@ -44,43 +41,17 @@ pub struct ProxyConfig {
     pub shadow_header: bool,
 }
 
-/// State shared by every connection.
-pub struct Shared {
-    pub rules: ArcSwap<RuleSet>,
-    pub metrics: Metrics,
-    pub clock: MonotonicClock,
-    pub hasher: KeyHasher,
-    pub audit: AuditLog,
+/// The proxy edge: the engine it decides with, and its own upstream.
+pub struct Proxy {
+    pub engine: Arc<Shared>,
     pub config: ProxyConfig,
-    /// True once a rule set has been loaded.
-    pub ready: AtomicBool,
-    /// The last configuration error, while the previous good rules stay in force.
-    pub config_error: ArcSwapOption<String>,
-    /// The global limiter, when Redis is configured (for `/debug/config`).
-    pub global: std::sync::OnceLock<Arc<crate::global::GlobalRuntime>>,
     upstream: Upstream,
     /// `Host` for requests that arrive without one (HTTP/1.0, HTTP/2 without `:authority`).
     upstream_host: HeaderValue,
 }
 
-/// The global engine's view of the sidecar: the global rules of the rule set in force.
-impl crate::global::GlobalSource for Shared {
-    fn global_rules(&self) -> Vec<Arc<crate::global::GlobalRule>> {
-        self.rules
-            .load()
-            .rules
-            .iter()
-            .filter_map(|r| r.global.clone())
-            .collect()
-    }
-
-    fn now(&self) -> tollgate_limiter::Nanos {
-        self.clock.now()
-    }
-}
-
-impl Shared {
-    pub fn new(config: ProxyConfig, metrics: Metrics, audit: AuditLog) -> anyhow::Result<Shared> {
+impl Proxy {
+    pub fn new(engine: Arc<Shared>, config: ProxyConfig) -> anyhow::Result<Proxy> {
         let scheme = config
             .upstream
             .scheme()
@@ -106,16 +77,9 @@ impl Shared {
         };
         let upstream_host = HeaderValue::from_str(&host_header)
             .map_err(|_| anyhow::anyhow!("--upstream {}: invalid host", config.upstream))?;
-        Ok(Shared {
-            rules: ArcSwap::from_pointee(RuleSet::empty()),
-            metrics,
-            clock: MonotonicClock::new(),
-            hasher: KeyHasher::random(),
-            audit,
+        Ok(Proxy {
+            engine,
             config,
-            ready: AtomicBool::new(false),
-            config_error: ArcSwapOption::empty(),
-            global: std::sync::OnceLock::new(),
             upstream: Upstream::new(format!("{host}:{port}")),
             upstream_host,
         })
@@ -126,7 +90,7 @@ impl Shared {
 /// `drain`.
 pub async fn serve(
     listener: TcpListener,
-    shared: Arc<Shared>,
+    shared: Arc<Proxy>,
     shutdown: impl std::future::Future<Output = ()>,
     drain: Duration,
 ) {
@@ -232,7 +196,7 @@ thread_local! {
 
 /// Handles one request end to end.
 pub async fn handle(
-    shared: Arc<Shared>,
+    shared: Arc<Proxy>,
     peer: SocketAddr,
     peer_ip: Option<HeaderValue>,
     req: Request<Incoming>,
@@ -276,13 +240,13 @@ fn trusted_hops(rules: &RuleSet, rule: usize) -> u32 {
 }
 
 async fn handle_inner(
-    shared: Arc<Shared>,
+    shared: Arc<Proxy>,
     peer: SocketAddr,
     peer_ip: Option<HeaderValue>,
     req: Request<Incoming>,
     span: Option<&tracing::Span>,
 ) -> Response<ProxyBody> {
-    let rules = shared.rules.load_full();
+    let rules = shared.engine.rules.load_full();
     let (parts, body) = req.into_parts();
     let verdict = decide(&shared, &rules, &parts, &peer).await;
     let seed = rejection_seed(&rules, &verdict, &parts, &peer);
@@ -302,19 +266,20 @@ async fn handle_inner(
 
 /// The core's decision: local rules and leases at once, and one bounded Redis round trip for
 /// cold or dry global keys of a request nothing else refused.
-async fn decide(shared: &Shared, rules: &RuleSet, parts: &Parts, peer: &SocketAddr) -> Verdict {
-    let started = shared.clock.now();
+async fn decide(shared: &Proxy, rules: &RuleSet, parts: &Parts, peer: &SocketAddr) -> Verdict {
+    let started = shared.engine.clock.now();
     let mut verdict = KEY_BUF.with(|buf| {
         let mut buf = buf.borrow_mut();
-        rules.decide(parts, peer, started, &mut buf, &shared.hasher)
+        rules.decide(parts, peer, started, &mut buf, &shared.engine.hasher)
     });
     if !verdict.pending.is_empty() && verdict.rejected.is_none() && verdict.unavailable.is_none() {
         rules.resolve_pending(&mut verdict, started).await;
     }
     shared
+        .engine
         .metrics
         .decision_seconds
-        .observe(shared.clock.now().saturating_sub(started) as f64 / 1e9);
+        .observe(shared.engine.clock.now().saturating_sub(started) as f64 / 1e9);
     verdict
 }
 
@@ -332,7 +297,7 @@ fn record_decision(span: &tracing::Span, rules: &RuleSet, verdict: &Verdict) {
 }
 
 fn audit_rejection<B>(
-    shared: &Shared,
+    shared: &Proxy,
     rules: &RuleSet,
     rejection: &Rejection,
     req: &Request<B>,
@@ -351,14 +316,15 @@ fn audit_rejection<B>(
         span,
     };
     shared
+        .engine
         .audit
-        .rejected(rule, rejection, &request, &shared.metrics);
+        .rejected(rule, rejection, &request, &shared.engine.metrics);
 }
 
 /// An admitted request: shaped, sent to the app within the upstream timeout, and its response
 /// (or the app's failure as 502/504) returned with the RateLimit fields.
 async fn forward(
-    shared: Arc<Shared>,
+    shared: Arc<Proxy>,
     rules: Arc<RuleSet>,
     verdict: Verdict,
     mut req: Request<Incoming>,
@@ -374,23 +340,24 @@ async fn forward(
     if let Some(span) = span {
         telemetry::inject(span, upstream_req.headers_mut());
     }
-    let t0 = shared.clock.now();
+    let t0 = shared.engine.clock.now();
     let result = tokio::time::timeout(
         shared.config.upstream_timeout,
         shared.upstream.send(upstream_req),
     )
     .await;
     shared
+        .engine
         .metrics
         .upstream_seconds
-        .observe(shared.clock.now().saturating_sub(t0) as f64 / 1e9);
+        .observe(shared.engine.clock.now().saturating_sub(t0) as f64 / 1e9);
     if !verdict.settlements.is_empty() {
-        settle_at_response(&rules, &verdict, &result, shared.clock.now());
+        settle_at_response(&rules, &verdict, &result, shared.engine.clock.now());
     }
     let (resp, lease) = match result {
         Ok(Ok(x)) => x,
         Ok(Err(e)) => {
-            shared.metrics.upstream_error("connect");
+            shared.engine.metrics.upstream_error("connect");
             tracing::warn!(error = %e, upstream = %shared.config.upstream, "upstream request failed");
             return local(response::problem(
                 StatusCode::BAD_GATEWAY,
@@ -399,7 +366,7 @@ async fn forward(
             ));
         }
         Err(_) => {
-            shared.metrics.upstream_error("timeout");
+            shared.engine.metrics.upstream_error("timeout");
             return local(response::problem(
                 StatusCode::GATEWAY_TIMEOUT,
                 "Gateway Timeout",
@@ -413,7 +380,7 @@ async fn forward(
 /// The app's response on its way back: hop-by-hop fields dropped (or an upgrade spliced),
 /// the RateLimit fields added, and the permits and pooled connection held until its body ends.
 fn admitted_response(
-    shared: &Shared,
+    shared: &Proxy,
     rules: &RuleSet,
     verdict: Verdict,
     mut resp: Response<Incoming>,
@@ -487,7 +454,7 @@ fn to_upstream(
     req: Request<Incoming>,
     peer: &SocketAddr,
     peer_ip: Option<HeaderValue>,
-    shared: &Shared,
+    shared: &Proxy,
 ) -> Request<Incoming> {
     let (mut parts, body) = req.into_parts();
     let upgrade = is_upgrade(&parts.headers);
@@ -690,9 +657,4 @@ impl Drop for ProxyBody {
             lease.release();
         }
     }
-}
-
-/// Whether the readiness probe should pass.
-pub fn is_ready(shared: &Shared) -> bool {
-    shared.ready.load(Ordering::Acquire)
 }

@@ -1,0 +1,65 @@
+//! The decision engine every edge shares: the rule set in force, decision metrics, key
+//! identities, the audit log and the global (Redis) runtime. The edges (the HTTP proxy, the
+//! Envoy rate limit service) read it and map its decisions to their protocol; it knows
+//! nothing of them.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+use tollgate_limiter::{Clock, MonotonicClock};
+
+use crate::audit::AuditLog;
+use crate::metrics::Metrics;
+use crate::rules::{KeyHasher, RuleSet};
+
+/// State shared by every connection of every edge.
+pub struct Shared {
+    pub rules: ArcSwap<RuleSet>,
+    pub metrics: Metrics,
+    pub clock: MonotonicClock,
+    pub hasher: KeyHasher,
+    pub audit: AuditLog,
+    /// True once a rule set has been loaded.
+    pub ready: AtomicBool,
+    /// The last configuration error, while the previous good rules stay in force.
+    pub config_error: ArcSwapOption<String>,
+    /// The global limiter, when Redis is configured (for `/debug/config`).
+    pub global: std::sync::OnceLock<Arc<crate::global::GlobalRuntime>>,
+}
+
+/// The global engine's view: the global rules of the rule set in force.
+impl crate::global::GlobalSource for Shared {
+    fn global_rules(&self) -> Vec<Arc<crate::global::GlobalRule>> {
+        self.rules
+            .load()
+            .rules
+            .iter()
+            .filter_map(|r| r.global.clone())
+            .collect()
+    }
+
+    fn now(&self) -> tollgate_limiter::Nanos {
+        self.clock.now()
+    }
+}
+
+impl Shared {
+    pub fn new(metrics: Metrics, audit: AuditLog) -> Shared {
+        Shared {
+            rules: ArcSwap::from_pointee(RuleSet::empty()),
+            metrics,
+            clock: MonotonicClock::new(),
+            hasher: KeyHasher::random(),
+            audit,
+            ready: AtomicBool::new(false),
+            config_error: ArcSwapOption::empty(),
+            global: std::sync::OnceLock::new(),
+        }
+    }
+}
+
+/// Whether the readiness probe should pass.
+pub fn is_ready(shared: &Shared) -> bool {
+    shared.ready.load(Ordering::Acquire)
+}
