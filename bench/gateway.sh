@@ -94,7 +94,9 @@ if [[ ",$PATHS," == *",tollgate-"* ]]; then
         SIDECAR_BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release/tollgate-sidecar
     fi
     [[ -x "$SIDECAR_BIN" ]] || { say "no sidecar binary at $SIDECAR_BIN"; exit 1; }
-    "$SIDECAR_BIN" --help 2>/dev/null | grep -q -- --rate-limit-service || {
+    # Not `--help | grep -q`: grep's early exit would fail the pipeline under pipefail.
+    help=$("$SIDECAR_BIN" --help 2>&1 || true)
+    [[ "$help" == *--rate-limit-service* ]] || {
         say "$SIDECAR_BIN has no --rate-limit-service; PATHS=baseline,ratelimit runs without it"
         exit 1
     }

@@ -185,7 +185,12 @@ def envoy_config(kind: str, port: int, admin_port: int, app_port: int,
                                 "@type": type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput
                                 header_name: x-api-key
                       reporting_interval: 1s
+                      deny_response_settings:
+                        http_status: {code: TooManyRequests}
                       no_assignment_behavior:
+                        fallback_rate_limit: {blanket_rule: ALLOW_ALL}
+                      expired_assignment_behavior:
+                        expired_assignment_behavior_timeout: 60s
                         fallback_rate_limit: {blanket_rule: ALLOW_ALL}"""
     elif kind != "none":
         raise ValueError(kind)
