@@ -94,6 +94,8 @@ LABELS = {
 }
 SHORT = {"baseline": "baseline", "ratelimit": "envoyproxy/ratelimit",
          "tollgate-rls": "tollgate RLS", "tollgate-rlqs": "tollgate RLQS"}
+AXIS = {"baseline": "baseline", "ratelimit": "ratelimit", "tollgate-rls": "tollgate RLS",
+        "tollgate-rlqs": "tollgate RLQS"}
 COLORS = {"baseline": "#888888", "ratelimit": "#d62728", "tollgate-rls": "#1f77b4",
           "tollgate-rlqs": "#17becf"}
 # Which limit service (and Redis) a path uses.
@@ -654,6 +656,9 @@ def goals(S: dict, counts: dict, slow: dict) -> list[dict]:
     def add(what, target, ours, peer, bound, unit, note=""):
         r = ratio(ours, peer)
         verdict = "n/a" if r is None else ("PASS" if r <= bound else "MISS")
+        if unit == "" and ours == 0:
+            # No Redis command at all means the service did not use Redis, not a win.
+            verdict, note = "n/a", (note + "; " if note else "") + "no Redis command seen"
         G.append({"what": what, "target": target, "ours": ours, "peer": peer, "ratio": r,
                   "bound": bound, "verdict": verdict, "unit": unit, "note": note})
 
@@ -800,9 +805,12 @@ def svg_plot(S: dict, SS: dict, order: list[str], out: Path, title: str) -> None
              ([("slow", f"{SLOW_RATE} rps, Redis +{SLOW_MS} ms", SS)] if SS else [])
     if not panels:
         return
-    W, H = 260 + 240 * len(panels), 440
-    left, right, top, bottom = 60, 20, 60, H - 100
-    panel_w = (W - left - right) / len(panels)
+    left, right, top = 60, 20, 60
+    panel_w = max(240, 110 * len(order))
+    W = left + right + panel_w * len(panels)
+    legend_rows = (len(order) + 1) // 2
+    H = 370 + 20 * legend_rows
+    bottom = H - 70 - 20 * legend_rows
     vals = [s[k] for _, _, src in panels for p in order for k in ("min", "max")
             for kind in [_[0] for _ in panels]
             for s in [((src.get(p) or {}).get(kind) or {}).get("p99"),
@@ -838,7 +846,7 @@ def svg_plot(S: dict, SS: dict, order: list[str], out: Path, title: str) -> None
         d *= 10
     for pi, (kind, label, src) in enumerate(panels):
         x0 = left + pi * panel_w
-        e.append(f'<text x="{x0 + panel_w / 2:.1f}" y="{bottom + 55}" text-anchor="middle" '
+        e.append(f'<text x="{x0 + panel_w / 2:.1f}" y="{bottom + 40}" text-anchor="middle" '
                  f'font-weight="bold">{label}</text>')
         shown = [p for p in order if p in src and kind in src[p]]
         group_w = (panel_w - 30) / max(1, len(shown))
@@ -865,14 +873,14 @@ def svg_plot(S: dict, SS: dict, order: list[str], out: Path, title: str) -> None
                 e.append(f'<text x="{cx:.1f}" y="{y(s["max"]) - 4:.1f}" text-anchor="middle" '
                          f'font-size="9">{s["med"]:.2f}</text>')
             e.append(f'<text x="{gx + group_w * 0.47:.1f}" y="{bottom + 15}" '
-                     f'text-anchor="middle" font-size="10">{SHORT[p]}</text>')
+                     f'text-anchor="middle" font-size="10">{AXIS[p]}</text>')
     e.append(f'<line x1="{left}" x2="{W - right:.0f}" y1="{bottom}" y2="{bottom}" '
              f'stroke="black"/>')
-    lx = left + 10
-    for p in order:
-        e.append(f'<rect x="{lx}" y="{H - 30}" width="12" height="12" fill="{COLORS[p]}"/>')
-        e.append(f'<text x="{lx + 16}" y="{H - 20}" font-size="11">{LABELS[p]}</text>')
-        lx += 30 + 6 * len(LABELS[p])
+    for i, p in enumerate(order):
+        lx = left + 10 + (i % 2) * (W - left - right) / 2
+        ly = bottom + 58 + 20 * (i // 2)
+        e.append(f'<rect x="{lx:.0f}" y="{ly}" width="12" height="12" fill="{COLORS[p]}"/>')
+        e.append(f'<text x="{lx + 16:.0f}" y="{ly + 10}" font-size="11">{LABELS[p]}</text>')
     e.append("</svg>")
     out.write_text("\n".join(e) + "\n")
 
