@@ -105,6 +105,30 @@ redis://{{ include "tollgate.fullname" . }}-redis.{{ .Release.Namespace }}.svc:6
 {{- end -}}
 {{- end }}
 
+{{/* The rule stream URL sidecars (injected, and the rate limit service) connect to. */}}
+{{- define "tollgate.controllerURL" -}}
+{{- if .Values.streamTLS.enabled -}}
+https://{{ include "tollgate.controllerName" . }}.{{ .Release.Namespace }}.svc:{{ .Values.service.streamTLSPort }}
+{{- else -}}
+http://{{ include "tollgate.controllerName" . }}.{{ .Release.Namespace }}.svc:{{ .Values.service.streamPort }}
+{{- end -}}
+{{- end }}
+
+{{- define "tollgate.rateLimitServiceName" -}}
+{{ include "tollgate.fullname" . }}-rate-limit-service
+{{- end }}
+
+{{/* Labels selecting the rate limit service's pods; RateLimitPolicies select them too. */}}
+{{- define "tollgate.rateLimitServiceSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "tollgate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: rate-limit-service
+{{- end }}
+
+{{- define "tollgate.rateLimitServiceAccountName" -}}
+{{- default (include "tollgate.rateLimitServiceName" .) .Values.rateLimitService.serviceAccount.name }}
+{{- end }}
+
 {{/* Pods the injection webhook must never touch: tollgate's own. */}}
 {{- define "tollgate.objectSelectorExclusions" -}}
 - key: tollgate.dev/control-plane
