@@ -76,16 +76,19 @@ fn every_docs_envoy_config_passes_envoy_validate() {
     }
 }
 
-/// Other tests run these files with real ports: they replace exactly these strings, so each
-/// must be there exactly once (the listener, the app, tollgate).
+/// Other tests (crates/sidecar/tests/rls.rs, rlqs.rs) run these files with real ports: they
+/// replace exactly these strings, so each must be there exactly once: the listener, the app,
+/// and tollgate's endpoint (a block, so that a test can list several tollgate endpoints).
+/// rlqs.yaml's fail-closed variant replaces every `blanket_rule: ALLOW_ALL` with `DENY_ALL`.
 #[test]
 fn docs_envoy_configs_keep_the_placeholder_addresses() {
+    const TOLLGATE_ENDPOINT: &str = "              - endpoint:\n                  address:\n                    socket_address: {address: 127.0.0.1, port_value: 8081}\n";
     for file in configs() {
         let text = std::fs::read_to_string(&file).unwrap();
         for placeholder in [
-            "port_value: 10000",
+            "socket_address: {address: 0.0.0.0, port_value: 10000}",
             "socket_address: {address: 127.0.0.1, port_value: 8080}",
-            "socket_address: {address: 127.0.0.1, port_value: 8081}",
+            TOLLGATE_ENDPOINT,
         ] {
             assert_eq!(
                 text.matches(placeholder).count(),
@@ -103,6 +106,10 @@ fn docs_envoy_configs_keep_the_placeholder_addresses() {
             );
         }
     }
+    let rlqs = std::fs::read_to_string(repo_root().join("docs/envoy/rlqs.yaml")).unwrap();
+    // Both behaviours of both buckets: failureMode Open as written, Closed with DENY_ALL.
+    assert_eq!(rlqs.matches("blanket_rule: ALLOW_ALL").count(), 4);
+    assert_eq!(rlqs.matches("blanket_rule: DENY_ALL").count(), 0);
 }
 
 /// The RateLimitPolicy in docs/gateway.md compiles, and its rules decide descriptors.
