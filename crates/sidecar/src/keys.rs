@@ -22,6 +22,9 @@ const MAX_JWT_BYTES: usize = 8 * 1024;
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Descriptor {
     pub entries: Vec<(String, String)>,
+    /// Envoy's `hits_addend`: how many requests this one stands for (0 means 1). It
+    /// multiplies the rule's cost.
+    pub hits: u64,
 }
 
 impl Descriptor {

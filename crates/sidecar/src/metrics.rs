@@ -43,6 +43,56 @@ pub struct Metrics {
     pub rules_from_cache: Gauge,
     pub rules_passthrough: Gauge,
     pub global: crate::global::GlobalMetrics,
+    pub quota: QuotaMetrics,
+}
+
+/// Metrics of the RLQS edge: Envoy streams and the assignments they were given.
+#[derive(Clone, Default)]
+pub struct QuotaMetrics {
+    /// Envoy RLQS streams connected to this replica.
+    pub streams: Gauge,
+    /// Envoy RLQS streams fleet-wide (every replica sharing Redis), as last read.
+    pub fleet_streams: Gauge,
+    /// Buckets this replica holds assignments for.
+    pub buckets: Gauge,
+    pub reports: Counter,
+    answers: Family<KindLabels, Counter>,
+}
+
+impl QuotaMetrics {
+    fn register(registry: &mut Registry) -> QuotaMetrics {
+        let m = QuotaMetrics::default();
+        registry.register(
+            "rlqs_streams",
+            "Envoy RLQS streams connected to this replica",
+            m.streams.clone(),
+        );
+        registry.register(
+            "rlqs_fleet_streams",
+            "Envoy RLQS streams connected to any replica sharing this Redis, as last read",
+            m.fleet_streams.clone(),
+        );
+        registry.register(
+            "rlqs_buckets",
+            "RLQS buckets this replica holds assignments for",
+            m.buckets.clone(),
+        );
+        registry.register(
+            "rlqs_bucket_reports",
+            "Bucket usage reports received from Envoys",
+            m.reports.clone(),
+        );
+        registry.register(
+            "rlqs_actions",
+            "Bucket actions sent to Envoys, by kind (token_bucket, deny_all, allow_all, abandon)",
+            m.answers.clone(),
+        );
+        m
+    }
+
+    pub fn action(&self, kind: &'static str) {
+        self.answers.get_or_create(&KindLabels { kind }).inc();
+    }
 }
 
 /// Counters of one rule, resolved ahead of time.
@@ -158,7 +208,9 @@ impl Metrics {
             rules_passthrough.clone(),
         );
         let global = crate::global::GlobalMetrics::register(&mut registry);
+        let quota = QuotaMetrics::register(&mut registry);
         Metrics {
+            quota,
             rules_from_cache,
             rules_passthrough,
             controller_connected,

@@ -4,7 +4,6 @@
 //! through, hop-by-hop headers are dropped per RFC 9110 §7.6.1 and `X-Forwarded-For` gets the
 //! peer appended. Upstream failures map to 502 (connect) and 504 (timeout), never to 429.
 
-use std::cell::RefCell;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -189,11 +188,6 @@ async fn protocol_known(stream: &tokio::net::TcpStream) -> bool {
     }
 }
 
-thread_local! {
-    /// Reused key buffer: building a counter key allocates only while the buffer grows.
-    static KEY_BUF: RefCell<Vec<u8>> = RefCell::new(Vec::with_capacity(256));
-}
-
 /// Handles one request end to end.
 pub async fn handle(
     shared: Arc<Proxy>,
@@ -248,7 +242,7 @@ async fn handle_inner(
 ) -> Response<ProxyBody> {
     let rules = shared.engine.rules.load_full();
     let (parts, body) = req.into_parts();
-    let verdict = decide(&shared, &rules, &parts, &peer).await;
+    let verdict = shared.engine.decide(&rules, &parts, &peer).await;
     let seed = rejection_seed(&rules, &verdict, &parts, &peer);
     let req = Request::from_parts(parts, body);
     if let Some(span) = span {
@@ -262,25 +256,6 @@ async fn handle_inner(
         }
         Outcome::Admit => forward(shared, rules, verdict, req, peer, peer_ip, span).await,
     }
-}
-
-/// The core's decision: local rules and leases at once, and one bounded Redis round trip for
-/// cold or dry global keys of a request nothing else refused.
-async fn decide(shared: &Proxy, rules: &RuleSet, parts: &Parts, peer: &SocketAddr) -> Verdict {
-    let started = shared.engine.clock.now();
-    let mut verdict = KEY_BUF.with(|buf| {
-        let mut buf = buf.borrow_mut();
-        rules.decide(parts, peer, started, &mut buf, &shared.engine.hasher)
-    });
-    if !verdict.pending.is_empty() && verdict.rejected.is_none() && verdict.unavailable.is_none() {
-        rules.resolve_pending(&mut verdict, started).await;
-    }
-    shared
-        .engine
-        .metrics
-        .decision_seconds
-        .observe(shared.engine.clock.now().saturating_sub(started) as f64 / 1e9);
-    verdict
 }
 
 fn record_decision(span: &tracing::Span, rules: &RuleSet, verdict: &Verdict) {

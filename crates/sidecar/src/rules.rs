@@ -805,6 +805,10 @@ impl RuleSet {
 /// Tokens this request spends: the header value when present and numeric, clamped to
 /// `[1, max]`; otherwise the fixed amount.
 pub(crate) fn request_cost(cost: &CompiledCost, parts: &Parts) -> u64 {
+    if let Some(d) = parts.extensions.get::<keys::Descriptor>() {
+        // Envoy's `hits_addend`: this many requests at once (0 means 1).
+        return u64::from(cost.amount).saturating_mul(d.hits.max(1));
+    }
     let from_header = cost
         .header
         .as_deref()
@@ -898,6 +902,7 @@ mod tests {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            hits: 1,
         });
         parts
     }

@@ -16,6 +16,7 @@ use tollgate_limiter::{Clock, MonotonicClock, Nanos};
 
 const LEASE_LUA: &str = include_str!("lease.lua");
 const MEMBERS_LUA: &str = include_str!("members.lua");
+const SHARE_LUA: &str = include_str!("share.lua");
 
 /// Why a Redis call failed. Every kind is transient from the limiter's point of view: the rule's
 /// failure mode applies and the breaker decides when to try again.
@@ -608,12 +609,32 @@ impl Connector {
     }
 }
 
+/// One RLQS bucket's figures for [`Store::share_batch`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShareOp {
+    /// The bucket's name in Redis (rule id and hex key); the hash tag keeps it on one shard.
+    pub bucket: String,
+    pub demand_milli: u64,
+    pub assigned_milli: u64,
+    /// This replica's streams on the bucket; 0 removes its entry.
+    pub streams: u32,
+}
+
+/// What the other replicas hold for one bucket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShareReply {
+    pub demand_milli: u64,
+    pub assigned_milli: u64,
+    pub streams: u32,
+}
+
 /// Redis with the tollgate scripts. The connection is made lazily and re-made after failures,
 /// so a sidecar starts (and follows its failure modes) while Redis is down.
 pub struct Store {
     connector: Arc<Connector>,
     lease: redis::Script,
     members: redis::Script,
+    share: redis::Script,
     pub breaker: Breaker,
     pub groups: u32,
     pub prefix: String,
@@ -660,6 +681,7 @@ impl Store {
             }),
             lease: redis::Script::new(LEASE_LUA),
             members: redis::Script::new(MEMBERS_LUA),
+            share: redis::Script::new(SHARE_LUA),
             breaker: Breaker::new(breaker_open),
             groups: groups.max(1),
             prefix: "tg".to_string(),
@@ -896,6 +918,55 @@ impl Store {
         };
         match &result {
             Ok(()) => self.after_success(),
+            Err(e) => self.after_error(e),
+        }
+        result
+    }
+
+    /// Publishes this replica's RLQS demand and assignments for each bucket and reads what the
+    /// other replicas hold (`share.lua`), in one round trip bounded by `timeout`.
+    pub async fn share_batch(
+        &self,
+        ops: &[ShareOp],
+        replica: &str,
+        lifetime: Duration,
+        timeout: Duration,
+    ) -> Result<Vec<ShareReply>, StoreError> {
+        if ops.is_empty() {
+            return Ok(Vec::new());
+        }
+        let life_ms = lifetime.as_millis() as u64;
+        let fut = async {
+            let conn = self.conn().await?;
+            let calls = ops.iter().map(|op| {
+                let mut inv = self.share.prepare_invoke();
+                inv.key(format!("{}:q:{{{}}}", self.prefix, op.bucket))
+                    .arg(replica)
+                    .arg(op.demand_milli)
+                    .arg(op.assigned_milli)
+                    .arg(op.streams)
+                    .arg(life_ms);
+                let mut conn = conn.clone();
+                async move {
+                    let v: (u64, u64, u32) = match &mut conn {
+                        Conn::Single(c) => inv.invoke_async(c).await?,
+                        Conn::Cluster(c) => inv.invoke_async(c).await?,
+                    };
+                    Ok::<ShareReply, StoreError>(ShareReply {
+                        demand_milli: v.0,
+                        assigned_milli: v.1,
+                        streams: v.2,
+                    })
+                }
+            });
+            futures_util::future::try_join_all(calls).await
+        };
+        let result = match tokio::time::timeout(timeout, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Timeout(timeout)),
+        };
+        match &result {
+            Ok(_) => self.after_success(),
             Err(e) => self.after_error(e),
         }
         result

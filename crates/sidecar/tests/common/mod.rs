@@ -122,7 +122,8 @@ pub struct Sidecar {
 }
 
 impl Sidecar {
-    /// Starts the sidecar in front of `upstream` enforcing `policy_yaml`, with extra arguments.
+    /// Starts the sidecar in front of `upstream` enforcing `policy_yaml`, with extra arguments
+    /// (an empty `upstream` passes no `--upstream`: the rate limit service edge).
     /// Blocks until it has logged its bound addresses.
     pub fn start_blocking(upstream: &str, policy_yaml: &str, extra: &[String]) -> Sidecar {
         Sidecar::start_inner(upstream, Some(policy_yaml), extra)
@@ -151,8 +152,11 @@ impl Sidecar {
             .arg("127.0.0.1:0")
             .arg("--log-format")
             .arg("json")
-            .arg("--upstream")
-            .arg(upstream)
+            .args(
+                ["--upstream", upstream]
+                    .iter()
+                    .filter(|_| !upstream.is_empty()),
+            )
             .args(extra)
             .env_remove("RUST_LOG")
             .stdin(Stdio::null())

@@ -1,0 +1,230 @@
+//! The RLQS edge (`--rate-limit-service`, `StreamRateLimitQuotas`) behind three real Envoy 1.40
+//! (`envoy.filters.http.rate_limit_quota`, the documented `docs/envoy/rlqs.yaml`) in front of
+//! one app, with a real Redis: a global limit split by demand across Envoys and server
+//! replicas, assignments that outlive a server restart until their TTL, and a second replica
+//! taking the streams over.
+//!
+//! Envoy 1.40 reports usage every 5 s whatever `reporting_interval` says, so shares settle
+//! within two reports; the tests warm up for that long before they measure.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
+
+mod common;
+#[allow(dead_code, reason = "not every test file uses every helper")]
+#[path = "common/envoy.rs"]
+mod envoy;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+use envoy::{Envoy, doc_config};
+use tollgate_testkit::Redis;
+
+/// A global per-key limit of 200 a second; `FAILURE` is Open or Closed.
+fn policy(failure: &str) -> String {
+    format!(
+        r#"apiVersion: tollgate.dev/v1alpha1
+kind: RateLimitPolicy
+metadata: {{name: gateway, namespace: shop}}
+spec:
+  targetRef: {{selector: {{}}}}
+  rules:
+  - name: per-key
+    scope: Global
+    failureMode: {failure}
+    match: {{descriptors: [{{key: name, value: per-key}}]}}
+    key: [{{descriptor: api_key}}]
+    limit: {{requests: 200, period: 1s, algorithm: TokenBucket, burst: 20}}
+"#
+    )
+}
+
+/// A tollgate RLQS server on `redis` with an assignment TTL.
+async fn server(redis: &Redis, failure: &str, ttl: &str) -> Sidecar {
+    Sidecar::start(
+        "",
+        &policy(failure),
+        &[
+            "--rate-limit-service",
+            "--redis",
+            &redis.url(),
+            "--rlqs-assignment-ttl",
+            ttl,
+            "--log",
+            "info,tollgate_sidecar::rlqs=debug",
+        ],
+    )
+    .await
+}
+
+/// An Envoy from the documented RLQS snippet, asking the servers on `ports`; `closed` uses
+/// the fail-closed behaviours the docs give for `failureMode: Closed`.
+async fn envoy(app: u16, ports: &[u16], closed: bool) -> Envoy {
+    let mut config = doc_config("rlqs");
+    if closed {
+        config = config.replace("blanket_rule: ALLOW_ALL", "blanket_rule: DENY_ALL");
+    }
+    let endpoint = |port: u16| {
+        format!(
+            "              - endpoint:\n                  address:\n                    socket_address: {{address: 127.0.0.1, port_value: {port}}}\n"
+        )
+    };
+    let replace = vec![
+        ("port_value: 8080}", format!("port_value: {app}}}")),
+        (
+            "              - endpoint:\n                  address:\n                    socket_address: {address: 127.0.0.1, port_value: 8081}\n",
+            ports.iter().map(|p| endpoint(*p)).collect::<String>(),
+        ),
+    ];
+    // Not from spawn_blocking: Envoy asks for SIGTERM when the thread that started it ends,
+    // and the blocking pool ends idle threads after 10 s.
+    tokio::task::block_in_place(|| Envoy::start(&config, &replace))
+}
+
+/// Requests sent and admitted, counted by when they were sent.
+#[derive(Default)]
+struct Tally {
+    sent: AtomicU64,
+    admitted: AtomicU64,
+}
+
+/// Open-loop load: `rate` requests a second with key `key` to `url` until `until`; each
+/// request sent at or after `from` is tallied in `tally`.
+fn load(
+    url: String,
+    key: &'static str,
+    rate: u64,
+    from: Instant,
+    until: Instant,
+    tally: Arc<Tally>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let client = client();
+        let mut tick = tokio::time::interval(Duration::from_nanos(1_000_000_000 / rate));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+        let mut inflight = tokio::task::JoinSet::new();
+        while Instant::now() < until {
+            tick.tick().await;
+            let counted = Instant::now() >= from;
+            let (client, url, tally) = (client.clone(), url.clone(), Arc::clone(&tally));
+            inflight.spawn(async move {
+                let result = client
+                    .get(&url)
+                    .header("x-api-key", key)
+                    .timeout(Duration::from_secs(2))
+                    .send()
+                    .await;
+                let ok = match result {
+                    Ok(r) => {
+                        r.status() == 200 || (r.status() != 429 && panic!("{url}: {}", r.status()))
+                    }
+                    Err(e) => panic!("{url}: {e:?}"),
+                };
+                if counted {
+                    tally.sent.fetch_add(1, Ordering::Relaxed);
+                    if ok {
+                        tally.admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+            while inflight.try_join_next().is_some() {}
+        }
+        while inflight.join_next().await.is_some() {}
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_skewed_load_across_envoys_and_replicas_admits_the_global_limit() {
+    let redis = Redis::start();
+    let app = Upstream::start().await;
+    // Two server replicas sharing Redis: the heavy Envoy asks one, the light ones the other.
+    let one = server(&redis, "Open", "10s").await;
+    let two = server(&redis, "Open", "10s").await;
+    let app_port = app.addr.port();
+    let heavy = envoy(app_port, &[one.listen.port()], false).await;
+    let light_a = envoy(app_port, &[two.listen.port()], false).await;
+    let light_b = envoy(app_port, &[two.listen.port()], false).await;
+    // 400 a second offered for a limit of 200: 90 / 5 / 5 of it.
+    let start = Instant::now();
+    let (warm, measure) = (Duration::from_secs(12), Duration::from_secs(10));
+    let (from, until) = (start + warm, start + warm + measure);
+    let tallies: Vec<Arc<Tally>> = (0..3).map(|_| Arc::default()).collect();
+    let runs = [
+        load(
+            heavy.url("/"),
+            "k1",
+            360,
+            from,
+            until,
+            Arc::clone(&tallies[0]),
+        ),
+        load(
+            light_a.url("/"),
+            "k1",
+            20,
+            from,
+            until,
+            Arc::clone(&tallies[1]),
+        ),
+        load(
+            light_b.url("/"),
+            "k1",
+            20,
+            from,
+            until,
+            Arc::clone(&tallies[2]),
+        ),
+    ];
+    for r in runs {
+        r.await.unwrap();
+    }
+    let admitted: Vec<u64> = tallies
+        .iter()
+        .map(|t| t.admitted.load(Ordering::Relaxed))
+        .collect();
+    let sent: Vec<u64> = tallies
+        .iter()
+        .map(|t| t.sent.load(Ordering::Relaxed))
+        .collect();
+    let total: u64 = admitted.iter().sum();
+    let limit = 200.0 * measure.as_secs_f64();
+    let error = (total as f64 - limit) / limit;
+    eprintln!(
+        "RLQS 90/5/5 over {measure:?}: admitted {admitted:?} of {sent:?}, total {total} vs {limit} ({:+.2} %)",
+        error * 100.0
+    );
+    assert!(
+        error.abs() <= 0.02,
+        "admitted {total} vs the limit's {limit}: {admitted:?} of {sent:?}"
+    );
+    // Shares follow demand: the heavy Envoy holds about 90 % of the limit, each light one 5 %.
+    let heavy_part = admitted[0] as f64 / total as f64;
+    assert!(
+        (0.85..=0.95).contains(&heavy_part),
+        "heavy part {heavy_part}: {admitted:?}"
+    );
+    for light in &admitted[1..] {
+        let part = *light as f64 / total as f64;
+        assert!(
+            (0.025..=0.075).contains(&part),
+            "light part {part}: {admitted:?}"
+        );
+    }
+    // Both replicas counted the fleet's three streams.
+    let client = client();
+    for s in [&one, &two] {
+        let m = s.metrics(&client).await;
+        assert_eq!(
+            metric(&m, "tollgate_rlqs_fleet_streams", &[]),
+            Some(3.0),
+            "{m}"
+        );
+    }
+}
