@@ -89,6 +89,8 @@ pub struct BucketKey {
     key: Vec<u8>,
     /// Shared with other replicas through Redis (a Global rule with Redis configured).
     fleet: bool,
+    /// The rule fails closed: without fresh figures from Redis its buckets are denied.
+    fail_closed: bool,
 }
 
 impl BucketKey {
@@ -101,7 +103,6 @@ impl BucketKey {
 struct Target {
     key: BucketKey,
     limit: Limit,
-    fail_closed: bool,
 }
 
 type Outgoing = Result<RateLimitQuotaResponse, tonic::Status>;
@@ -274,16 +275,21 @@ impl QuotaState {
         } else {
             None
         };
-        let stale = t.key.fleet
-            && remote.is_none_or(|r| now.saturating_sub(r.read_at) > self.settings.stale_after());
+        let stale = self.stale(&t.key, remote, now);
         let (answer, pushes) = book.report(&t.key, stream, usage, t.limit, remote, now);
         match answer {
             Answer::Abandon => (Reply::Abandon, Vec::new()),
             // Redis unreachable: the rule's failure mode.
-            _ if stale && t.fail_closed => (Reply::DenyAll, Vec::new()),
+            _ if stale && t.key.fail_closed => (Reply::DenyAll, Vec::new()),
             Answer::Assign(a) if a.rate <= 0.0 => (Reply::DenyAll, pushes),
             Answer::Assign(a) => (Reply::Assign(a), pushes),
         }
+    }
+
+    /// Whether a fleet bucket's figures from the other replicas are too old to split by.
+    fn stale(&self, key: &BucketKey, remote: Option<Remote>, now: Nanos) -> bool {
+        key.fleet
+            && remote.is_none_or(|r| now.saturating_sub(r.read_at) > self.settings.stale_after())
     }
 
     /// A new Global bucket is read from Redis before its first assignment, so it starts from
@@ -393,7 +399,16 @@ impl QuotaState {
         if let Some(global) = self.engine.global.get() {
             self.exchange(global).await;
         }
-        let changed = self.book.lock().rebalance();
+        let now = self.engine.clock.now();
+        let changed: Vec<_> = {
+            let mut book = self.book.lock();
+            let changed = book.rebalance();
+            // A fail-closed bucket without fresh figures keeps the DENY_ALL its reports get.
+            changed
+                .into_iter()
+                .filter(|(k, ..)| !(k.fail_closed && self.stale(k, book.remote(k), now)))
+                .collect()
+        };
         if !changed.is_empty() {
             tracing::debug!(?changed, "RLQS rebalance");
         }
@@ -605,9 +620,9 @@ fn target_for(rules: &RuleSet, id: &BucketId) -> Option<Target> {
                 rule: Arc::from(rule.id.as_str()),
                 key: key_buf.clone(),
                 fleet: rule.scope == Scope::Global && active.global.is_some(),
+                fail_closed: rule.failure_mode == FailureMode::Closed,
             },
             limit,
-            fail_closed: rule.failure_mode == FailureMode::Closed,
         });
     }
     best

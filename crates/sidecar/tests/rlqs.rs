@@ -228,3 +228,197 @@ async fn a_skewed_load_across_envoys_and_replicas_admits_the_global_limit() {
         );
     }
 }
+
+/// Open-loop load recording each request's send time (since `start`) and status.
+fn timeline(
+    url: String,
+    rate: u64,
+    start: Instant,
+    until: Instant,
+) -> tokio::task::JoinHandle<Vec<(Duration, u16)>> {
+    tokio::spawn(async move {
+        let client = client();
+        let mut tick = tokio::time::interval(Duration::from_nanos(1_000_000_000 / rate));
+        let mut inflight = tokio::task::JoinSet::new();
+        while Instant::now() < until {
+            tick.tick().await;
+            let (client, url) = (client.clone(), url.clone());
+            inflight.spawn(async move {
+                let at = start.elapsed();
+                let status = client
+                    .get(&url)
+                    .header("x-api-key", "k1")
+                    .send()
+                    .await
+                    .map(|r| r.status().as_u16())
+                    .unwrap_or_else(|e| panic!("{url}: {e:?}"));
+                (at, status)
+            });
+        }
+        let mut events = Vec::new();
+        while let Some(e) = inflight.join_next().await {
+            events.push(e.unwrap());
+        }
+        events.sort();
+        events
+    })
+}
+
+/// Statuses of the requests sent in `[from, to)`.
+fn between(events: &[(Duration, u16)], from: Duration, to: Duration) -> Vec<u16> {
+    events
+        .iter()
+        .filter(|(at, _)| *at >= from && *at < to)
+        .map(|(_, s)| *s)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn envoys_keep_their_assignments_until_the_ttl_then_apply_the_declared_behaviour() {
+    let redis = Redis::start();
+    let app = Upstream::start().await;
+    let service = server(&redis, "Closed", "8s").await;
+    let port = service.listen.port();
+    // One Envoy configured for a fail-open rule, one for a fail-closed rule.
+    let open = envoy(app.addr.port(), &[port], false).await;
+    let closed = envoy(app.addr.port(), &[port], true).await;
+    let start = Instant::now();
+    let until = start + Duration::from_secs(20);
+    let a = timeline(open.url("/"), 40, start, until);
+    let b = timeline(closed.url("/"), 40, start, until);
+    // Two reports' worth of traffic, then the service is gone for good.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let killed = start.elapsed();
+    service.kill_hard();
+    let (open, closed) = (a.await.unwrap(), b.await.unwrap());
+    // Envoy renews nothing without a stream: the last assignment came at most one report
+    // (5 s) before the kill and lasts 8 s. Until 2.5 s after the kill both still hold it
+    // (40 a second is well inside it); from 8.5 s on it has expired everywhere.
+    let s = Duration::from_secs_f64;
+    for (name, events) in [("open", &open), ("closed", &closed)] {
+        let held = between(events, s(3.0), killed + s(2.5));
+        assert!(
+            held.len() > 100 && held.iter().all(|&st| st == 200),
+            "{name}: assignment kept: {held:?}"
+        );
+    }
+    let after_open = between(&open, killed + s(8.5), s(20.0));
+    let after_closed = between(&closed, killed + s(8.5), s(20.0));
+    assert!(
+        after_open.len() > 100 && after_open.iter().all(|&st| st == 200),
+        "{after_open:?}"
+    );
+    assert!(
+        after_closed.len() > 100 && after_closed.iter().all(|&st| st == 429),
+        "{after_closed:?}"
+    );
+    let expired_at = closed
+        .iter()
+        .find(|(at, st)| *at > killed && *st == 429)
+        .map(|(at, _)| at.saturating_sub(killed));
+    eprintln!(
+        "RLQS server killed: the fail-closed Envoy refused from {expired_at:?} after the kill (TTL 8 s)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_replica_takes_the_streams_over() {
+    let redis = Redis::start();
+    let app = Upstream::start().await;
+    let replicas = [
+        server(&redis, "Closed", "10s").await,
+        server(&redis, "Closed", "10s").await,
+    ];
+    let ports: Vec<u16> = replicas.iter().map(|r| r.listen.port()).collect();
+    let mut envoys = Vec::new();
+    for _ in 0..3 {
+        envoys.push(envoy(app.addr.port(), &ports, true).await);
+    }
+    // 150 a second in all, under the limit of 200: every request is admitted while the
+    // streams move.
+    let start = Instant::now();
+    let until = start + Duration::from_secs(22);
+    let runs: Vec<_> = envoys
+        .iter()
+        .map(|e| timeline(e.url("/"), 50, start, until))
+        .collect();
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let client = client();
+    let streams_on = |s: &Sidecar| {
+        let (client, admin) = (client.clone(), s.admin);
+        async move {
+            let text = client
+                .get(format!("http://{admin}/metrics"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            metric(&text, "tollgate_rlqs_streams", &[]).unwrap_or(0.0)
+        }
+    };
+    let before = [
+        streams_on(&replicas[0]).await,
+        streams_on(&replicas[1]).await,
+    ];
+    assert_eq!(before[0] + before[1], 3.0, "{before:?}");
+    // Stop the replica holding the most streams; the other takes them all.
+    let gone = usize::from(before[1] > before[0]);
+    let stays = &replicas[1 - gone];
+    let killed = start.elapsed();
+    replicas[gone].kill_hard();
+    poll_until(
+        Duration::from_secs(12),
+        "the remaining replica holds all 3 streams",
+        || async { (streams_on(stays).await == 3.0).then_some(()) },
+    )
+    .await;
+    let moved_after = start.elapsed() - killed;
+    let mut refused = 0;
+    for r in runs {
+        let events = r.await.unwrap();
+        let statuses = between(&events, Duration::from_secs(3), Duration::from_secs(22));
+        refused += statuses.iter().filter(|&&s| s != 200).count();
+    }
+    eprintln!(
+        "RLQS takeover: {before:?} streams; all on the remaining replica {moved_after:?} after the kill; {refused} requests refused"
+    );
+    assert_eq!(
+        refused, 0,
+        "the assignments held until the new replica renewed them"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_redis_down_a_fail_closed_rule_denies_and_a_fail_open_one_goes_on() {
+    let mut redis = Redis::start();
+    let app = Upstream::start().await;
+    let open = server(&redis, "Open", "10s").await;
+    let closed = server(&redis, "Closed", "10s").await;
+    let via_open = envoy(app.addr.port(), &[open.listen.port()], false).await;
+    let via_closed = envoy(app.addr.port(), &[closed.listen.port()], false).await;
+    let start = Instant::now();
+    let until = start + Duration::from_secs(20);
+    let a = timeline(via_open.url("/"), 40, start, until);
+    let b = timeline(via_closed.url("/"), 40, start, until);
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let killed = start.elapsed();
+    redis.kill();
+    let (open_events, closed_events) = (a.await.unwrap(), b.await.unwrap());
+    let s = Duration::from_secs_f64;
+    // The next report (within 5 s) after the figures went stale (2 s) is answered by the
+    // rule's failure mode.
+    let late_open = between(&open_events, killed + s(7.5), s(20.0));
+    let late_closed = between(&closed_events, killed + s(7.5), s(20.0));
+    assert!(
+        late_open.len() > 100 && late_open.iter().all(|&st| st == 200),
+        "{late_open:?}"
+    );
+    assert!(
+        late_closed.len() > 100 && late_closed.iter().all(|&st| st == 429),
+        "{late_closed:?}"
+    );
+    let before = between(&closed_events, s(3.0), killed);
+    assert!(before.iter().all(|&st| st == 200), "{before:?}");
+}

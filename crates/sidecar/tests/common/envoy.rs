@@ -66,7 +66,7 @@ impl Envoy {
         let child = Command::new(envoy_bin())
             .arg("-c")
             .arg(&path)
-            .args(["--concurrency", "1", "--log-level", "warn", "--base-id"])
+            .args(["--concurrency", "1", "--log-level", "error", "--base-id"])
             .arg(free_port().to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
