@@ -446,10 +446,15 @@ impl CompiledRule {
         } else {
             String::new()
         };
-        format!(
+        let said = format!(
             "{}: {what}: {limit}, {per}{cost}; {scope}; {mode}{block}{failure}{missing}",
             self.name
-        )
+        );
+        if self.for_descriptors() {
+            at_the_gateway(&said)
+        } else {
+            said
+        }
     }
 
     /// The cost clause of [`describe_where`](Self::describe_where): fixed, from a request
@@ -486,6 +491,26 @@ impl CompiledRule {
         }
         out
     }
+}
+
+/// A descriptor rule's description in the rate limit service's terms: it runs in the
+/// service's replicas, not in sidecars, and Envoy does the refusing.
+fn at_the_gateway(said: &str) -> String {
+    said.replace(
+        "each sidecar on its own",
+        "each rate limit service replica on its own",
+    )
+    .replace("sidecars", "rate limit service replicas")
+    .replace("sidecar", "replica")
+    .replace(
+        "rejects excess with 429",
+        "excess is refused by Envoy (RLS: OVER_LIMIT per request; RLQS: each Envoy holds a \
+             token bucket of its demand-weighted share)",
+    )
+    .replace(
+        "if Redis is unreachable: rejects",
+        "if Redis is unreachable: refuses (RLS: OVER_LIMIT; RLQS: DENY_ALL)",
+    )
 }
 
 impl CompiledMatch {

@@ -613,7 +613,9 @@ fn descriptor_rules_compile_and_say_what_they_decide() {
     assert!(
         said.starts_with(
             "r: rate limit service descriptors with route=checkout, api_key: 5 requests per 1s"
-        ) && said.contains("per descriptor entry api_key"),
+        ) && said.contains("per descriptor entry api_key")
+            && said.contains("refused by Envoy")
+            && !said.contains("sidecar"),
         "{said}"
     );
     // A key part alone makes a descriptor rule too; a constant fits either kind.
