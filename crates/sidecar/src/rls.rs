@@ -146,15 +146,16 @@ impl RateLimitService for RateLimitEdge {
             ..RateLimitResponse::default()
         };
         let mut headers_from: Option<(Verdict, bool)> = None;
-        for descriptor in &request.descriptors {
-            let parts = descriptor_parts(descriptor, request.hits_addend);
+        let (hits_addend, domain) = (request.hits_addend, request.domain);
+        for descriptor in request.descriptors {
+            let parts = descriptor_parts(descriptor, hits_addend);
             let verdict = self.engine.decide(&rules, &parts, &NO_PEER).await;
             let status = descriptor_answer(&rules, &verdict);
             let over = status.code == Code::OverLimit as i32;
             if over {
                 answer.overall_code = Code::OverLimit as i32;
                 if let Outcome::Reject(r) = verdict.outcome() {
-                    self.audit(&rules, r, &request.domain);
+                    self.audit(&rules, r, &domain);
                 }
             }
             answer.statuses.push(status);
@@ -231,9 +232,9 @@ fn check_request(request: &RateLimitRequest) -> Result<(), tonic::Status> {
 }
 
 /// The request the engine decides for one descriptor: no method, path or headers of its own,
-/// the descriptor in its extensions. A descriptor's own `hits_addend` overrides the
-/// request's.
-fn descriptor_parts(descriptor: &RateLimitDescriptor, hits_addend: u32) -> Parts {
+/// the descriptor in its extensions (its entries moved, not copied). A descriptor's own
+/// `hits_addend` overrides the request's.
+fn descriptor_parts(descriptor: RateLimitDescriptor, hits_addend: u32) -> Parts {
     let hits = descriptor
         .hits_addend
         .as_ref()
@@ -242,8 +243,8 @@ fn descriptor_parts(descriptor: &RateLimitDescriptor, hits_addend: u32) -> Parts
     parts.extensions.insert(Descriptor {
         entries: descriptor
             .entries
-            .iter()
-            .map(|e| (e.key.clone(), e.value.clone()))
+            .into_iter()
+            .map(|e| (e.key, e.value))
             .collect(),
         hits,
     });
