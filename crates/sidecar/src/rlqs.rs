@@ -305,7 +305,8 @@ impl QuotaState {
                 .filter_map(|(_, t, u)| t.as_ref().map(|t| (t, u)))
                 .filter(|(t, _)| t.key.fleet && book.remote(&t.key).is_none())
                 .map(|(t, u)| {
-                    let demand = (u.allowed + u.denied) as f64 / u.elapsed.max(0.001);
+                    let demand =
+                        (u.allowed + u.denied) as f64 / u.elapsed.unwrap_or(1.0).max(0.001);
                     (
                         t.key.clone(),
                         ShareOp {
@@ -545,11 +546,10 @@ fn token_bucket(a: Assignment) -> TokenBucket {
 const FILL_SECONDS: i64 = 60;
 
 fn usage_of(allowed: u64, denied: u64, elapsed: Option<PbDuration>) -> Usage {
+    // Envoy's first report of a new bucket covers no time (`0s`): no rate can be read from it.
     let elapsed = elapsed
         .map(|d| d.seconds.max(0) as f64 + f64::from(d.nanos.max(0)) / 1e9)
-        .filter(|s| *s > 0.0)
-        // Envoy's first report of a new bucket covers no time yet: count it as one second.
-        .unwrap_or(1.0);
+        .filter(|s| *s > 0.0);
     Usage {
         allowed,
         denied,
@@ -655,12 +655,17 @@ mod tests {
     }
 
     #[test]
-    fn a_report_without_elapsed_time_counts_one_second() {
-        assert_eq!(usage_of(3, 1, None).elapsed, 1.0);
+    fn a_report_without_elapsed_time_has_no_rate() {
+        assert_eq!(usage_of(3, 1, None).elapsed, None);
+        let zero = PbDuration {
+            seconds: 0,
+            nanos: 0,
+        };
+        assert_eq!(usage_of(1, 0, Some(zero)).elapsed, None);
         let half = PbDuration {
             seconds: 0,
             nanos: 500_000_000,
         };
-        assert_eq!(usage_of(3, 1, Some(half)).elapsed, 0.5);
+        assert_eq!(usage_of(3, 1, Some(half)).elapsed, Some(0.5));
     }
 }

@@ -75,7 +75,8 @@ struct Member {
     /// When this stream last reported the bucket (the book's clock). The span between two
     /// reports is measured here: Envoy's `time_elapsed` is truncated to whole seconds.
     last_report: Option<Nanos>,
-    /// Reports with a measured span so far.
+    /// Reports whose span was known so far; until one is, the demand is a guess
+    /// ([`Bucket::demand_of`]).
     measured: u32,
 }
 
@@ -89,7 +90,28 @@ struct Bucket {
 
 impl Bucket {
     fn local_demand(&self) -> f64 {
-        self.members.values().map(|m| m.demand).sum()
+        self.members.values().map(|m| self.demand_of(m)).sum()
+    }
+
+    /// A member's demand, or for one not measured yet (a new bucket's first request) the
+    /// average of those that are: guessing its one request a second squeezed a new Envoy to
+    /// nearly nothing until its next report, 5 s later.
+    fn demand_of(&self, m: &Member) -> f64 {
+        if m.measured > 0 {
+            return m.demand;
+        }
+        let (sum, n) = self
+            .members
+            .values()
+            .filter(|o| o.measured > 0)
+            .fold((0.0, 0u32), |(s, n), o| (s + o.demand, n + 1));
+        if n > 0 {
+            sum / f64::from(n)
+        } else if self.remote.streams > 0 && self.remote.demand > 0.0 {
+            self.remote.demand / f64::from(self.remote.streams)
+        } else {
+            1.0
+        }
     }
 
     fn local_assigned_except(&self, stream: StreamId) -> f64 {
@@ -103,7 +125,7 @@ impl Bucket {
     /// The stream's fair part of `limit` by demand (an equal part while nobody has any).
     fn fair(&self, stream: StreamId, limit: Limit, remote: &Remote) -> f64 {
         let total = self.local_demand() + remote.demand;
-        let mine = self.members.get(&stream).map_or(0.0, |m| m.demand);
+        let mine = self.members.get(&stream).map_or(0.0, |m| self.demand_of(m));
         if total > 0.0 {
             limit.rate * mine / total
         } else {
@@ -119,8 +141,9 @@ pub struct Usage {
     pub allowed: u64,
     pub denied: u64,
     /// Seconds the counts cover, as the Envoy says; used only for a stream's first report of
-    /// a bucket (later spans are measured between reports).
-    pub elapsed: f64,
+    /// a bucket (later spans are measured between reports). `None` when the report covers no
+    /// time: Envoy reports a new bucket at its first request, which says nothing of its rate.
+    pub elapsed: Option<f64>,
 }
 
 /// The assignments of one replica, per bucket key.
@@ -170,19 +193,17 @@ impl<K: std::hash::Hash + Eq + Clone> Book<K> {
             member.idle_reports = 0;
         }
         let elapsed = match member.last_report {
-            Some(t) => now.saturating_sub(t) as f64 / 1e9,
+            Some(t) => Some(now.saturating_sub(t) as f64 / 1e9),
             None => usage.elapsed,
         };
-        let first = member.last_report.is_none();
         member.last_report = Some(now);
-        let observed = requests as f64 / elapsed.max(0.001);
-        // A first measured span replaces the guess made from the bucket's first report.
-        member.demand = if first || member.measured == 0 {
-            observed
-        } else {
-            DEMAND_WEIGHT * observed + (1.0 - DEMAND_WEIGHT) * member.demand
-        };
-        if !first {
+        if let Some(elapsed) = elapsed {
+            let observed = requests as f64 / elapsed.max(0.001);
+            member.demand = if member.measured == 0 {
+                observed
+            } else {
+                DEMAND_WEIGHT * observed + (1.0 - DEMAND_WEIGHT) * member.demand
+            };
             member.measured += 1;
         }
         // Others first: what they are told to give back is room for this stream now.
@@ -374,7 +395,7 @@ mod tests {
         let usage = Usage {
             allowed: requests,
             denied: 0,
-            elapsed: 1.0,
+            elapsed: Some(1.0),
         };
         book.report(&"k", stream, usage, LIMIT, remote, round * SECOND)
     }
@@ -408,19 +429,42 @@ mod tests {
     #[test]
     fn demand_is_measured_between_reports() {
         let mut book = Book::new();
-        report(&mut book, 1, 1, None, 0);
-        report(&mut book, 2, 1, None, 0);
+        // Each stream reports the bucket at its first request (no span), then after 5 s.
+        let first = Usage {
+            allowed: 1,
+            denied: 0,
+            elapsed: None,
+        };
+        book.report(&"k", 1, first, LIMIT, None, 0);
+        book.report(&"k", 2, first, LIMIT, None, 0);
         // Five seconds later: stream 1 saw 500 requests, stream 2 saw 50.
         let usage = |n| Usage {
             allowed: n,
             denied: 0,
             // Envoy truncates to whole seconds; the book's clock decides.
-            elapsed: 4.0,
+            elapsed: Some(4.0),
         };
         book.report(&"k", 1, usage(500), LIMIT, None, 5 * SECOND);
         let (b, _) = book.report(&"k", 2, usage(50), LIMIT, None, 5 * SECOND);
         let b = assigned(b);
         assert!((b.rate - 100.0 * 10.0 / 110.0).abs() < 1e-6, "{b:?}");
+    }
+
+    #[test]
+    fn a_new_buckets_first_request_is_not_taken_for_its_rate() {
+        let mut book = Book::new();
+        report(&mut book, 1, 50, None, 1);
+        report(&mut book, 2, 50, None, 1);
+        // Stream 3 reports the bucket at its first request: no span, so no rate yet. It gets
+        // the average's part, not a part of one request a second.
+        let first = Usage {
+            allowed: 1,
+            denied: 0,
+            elapsed: None,
+        };
+        let (a, _) = book.report(&"k", 3, first, LIMIT, None, SECOND);
+        let rate = assigned(a).rate;
+        assert!(rate > 30.0, "{rate}");
     }
 
     #[test]

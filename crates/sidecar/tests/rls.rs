@@ -16,12 +16,10 @@ mod common;
 #[path = "common/envoy.rs"]
 mod envoy;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
-use envoy::{Envoy, doc_config};
+use envoy::{Envoy, between, doc_config, open_loop};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -247,65 +245,6 @@ async fn grpc_callers_get_per_descriptor_statuses_hits_as_cost_and_clear_errors(
     );
 }
 
-/// Open-loop load: `rate` requests a second with key `key` through `url` until `until`;
-/// requests sent from `from` on are counted in `admitted` and `sent`, and the slowest answer
-/// is kept in `slowest_ms`.
-struct Tally {
-    sent: AtomicU64,
-    admitted: AtomicU64,
-    slowest_ms: AtomicU64,
-}
-
-fn load(
-    url: String,
-    key: &'static str,
-    rate: u64,
-    from: Instant,
-    until: Instant,
-    tally: Arc<Tally>,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let client = client();
-        let mut tick = tokio::time::interval(Duration::from_nanos(1_000_000_000 / rate));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-        let mut inflight = tokio::task::JoinSet::new();
-        while Instant::now() < until {
-            tick.tick().await;
-            let counted = Instant::now() >= from;
-            let (client, url, tally) = (client.clone(), url.clone(), Arc::clone(&tally));
-            inflight.spawn(async move {
-                let sent = Instant::now();
-                let status = client
-                    .get(&url)
-                    .header("x-api-key", key)
-                    .send()
-                    .await
-                    .map(|r| r.status().as_u16())
-                    .unwrap_or_else(|e| panic!("{url}: {e:?}"));
-                assert!(status == 200 || status == 429, "{url}: {status}");
-                if counted {
-                    let ms = sent.elapsed().as_millis() as u64;
-                    tally.slowest_ms.fetch_max(ms, Ordering::Relaxed);
-                    tally.sent.fetch_add(1, Ordering::Relaxed);
-                    if status == 200 {
-                        tally.admitted.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            });
-            while inflight.try_join_next().is_some() {}
-        }
-        while inflight.join_next().await.is_some() {}
-    })
-}
-
-fn tally() -> Arc<Tally> {
-    Arc::new(Tally {
-        sent: AtomicU64::new(0),
-        admitted: AtomicU64::new(0),
-        slowest_ms: AtomicU64::new(0),
-    })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_global_limit_holds_within_one_percent_across_three_envoys() {
     let redis = Redis::start();
@@ -322,24 +261,17 @@ async fn a_global_limit_holds_within_one_percent_across_three_envoys() {
         .collect();
     // 600 a second offered for 300, 200 through each Envoy; measured after 3 s.
     let start = Instant::now();
-    let (from, until) = (
-        start + Duration::from_secs(3),
-        start + Duration::from_secs(13),
-    );
-    let tallies: Vec<Arc<Tally>> = (0..3).map(|_| tally()).collect();
+    let (from, until) = (Duration::from_secs(3), start + Duration::from_secs(13));
     let runs: Vec<_> = envoys
         .iter()
-        .zip(&tallies)
-        .map(|(e, t)| load(e.url("/"), "hot", 200, from, until, Arc::clone(t)))
+        .map(|e| open_loop(e.url("/"), "hot", 200, start, until))
         .collect();
+    let (mut admitted, mut sent) = (0, 0);
     for r in runs {
-        r.await.unwrap();
+        let measured = between(&r.await.unwrap(), from, until - start);
+        admitted += measured.iter().filter(|&&s| s == 200).count() as u64;
+        sent += measured.len() as u64;
     }
-    let admitted: u64 = tallies
-        .iter()
-        .map(|t| t.admitted.load(Ordering::Relaxed))
-        .sum();
-    let sent: u64 = tallies.iter().map(|t| t.sent.load(Ordering::Relaxed)).sum();
     let limit = 300.0 * 10.0;
     let error = (admitted as f64 - limit) / limit;
     eprintln!(
@@ -390,37 +322,18 @@ async fn with_redis_down_each_rule_keeps_its_failure_mode_without_waiting() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let start = Instant::now();
     let until = start + Duration::from_secs(3);
-    let (t_open, t_closed) = (tally(), tally());
-    let a = load(
-        via_open.url("/"),
-        "k",
-        50,
-        start,
-        until,
-        Arc::clone(&t_open),
-    );
-    let b = load(
-        via_closed.url("/"),
-        "k",
-        50,
-        start,
-        until,
-        Arc::clone(&t_closed),
-    );
-    a.await.unwrap();
-    b.await.unwrap();
-    let (o_sent, o_ok) = (
-        t_open.sent.load(Ordering::Relaxed),
-        t_open.admitted.load(Ordering::Relaxed),
-    );
-    let (c_sent, c_ok) = (
-        t_closed.sent.load(Ordering::Relaxed),
-        t_closed.admitted.load(Ordering::Relaxed),
-    );
-    let slowest = t_open
-        .slowest_ms
-        .load(Ordering::Relaxed)
-        .max(t_closed.slowest_ms.load(Ordering::Relaxed));
+    let a = open_loop(via_open.url("/"), "k", 50, start, until);
+    let b = open_loop(via_closed.url("/"), "k", 50, start, until);
+    let (open_sent, closed_sent) = (a.await.unwrap(), b.await.unwrap());
+    let admitted = |sent: &[envoy::Sent]| sent.iter().filter(|s| s.status == 200).count();
+    let (o_sent, o_ok) = (open_sent.len(), admitted(&open_sent));
+    let (c_sent, c_ok) = (closed_sent.len(), admitted(&closed_sent));
+    let slowest = open_sent
+        .iter()
+        .chain(&closed_sent)
+        .map(|s| s.took.as_millis())
+        .max()
+        .unwrap_or(0);
     eprintln!(
         "Redis down: fail-open admitted {o_ok} of {o_sent}, fail-closed {c_ok} of {c_sent}, slowest answer {slowest} ms"
     );

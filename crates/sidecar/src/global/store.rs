@@ -912,12 +912,22 @@ impl Store {
             };
             Ok::<(), StoreError>(())
         };
-        let result = match tokio::time::timeout(timeout, fut).await {
+        self.bounded(timeout, fut).await
+    }
+
+    /// A background call bounded by `timeout`, its outcome counted for the reconnect logic
+    /// (a timeout counts as an error).
+    async fn bounded<T>(
+        &self,
+        timeout: Duration,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let result = match tokio::time::timeout(timeout, call).await {
             Ok(r) => r,
             Err(_) => Err(StoreError::Timeout(timeout)),
         };
         match &result {
-            Ok(()) => self.after_success(),
+            Ok(_) => self.after_success(),
             Err(e) => self.after_error(e),
         }
         result
@@ -961,15 +971,7 @@ impl Store {
             });
             futures_util::future::try_join_all(calls).await
         };
-        let result = match tokio::time::timeout(timeout, fut).await {
-            Ok(r) => r,
-            Err(_) => Err(StoreError::Timeout(timeout)),
-        };
-        match &result {
-            Ok(_) => self.after_success(),
-            Err(e) => self.after_error(e),
-        }
-        result
+        self.bounded(timeout, fut).await
     }
 
     /// Registers (or deregisters) this sidecar for each policy and returns the live counts.
@@ -1001,15 +1003,7 @@ impl Store {
             });
             futures_util::future::try_join_all(calls).await
         };
-        let result = match tokio::time::timeout(timeout, fut).await {
-            Ok(r) => r,
-            Err(_) => Err(StoreError::Timeout(timeout)),
-        };
-        match &result {
-            Ok(_) => self.after_success(),
-            Err(e) => self.after_error(e),
-        }
-        result
+        self.bounded(timeout, fut).await
     }
 }
 

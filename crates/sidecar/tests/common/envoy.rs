@@ -119,3 +119,68 @@ impl Drop for Envoy {
         let _ = self.child.wait();
     }
 }
+
+/// One request of an open-loop load.
+#[derive(Clone, Copy, Debug)]
+pub struct Sent {
+    /// When it was sent, from the load's start.
+    pub at: Duration,
+    pub status: u16,
+    /// How long its answer took.
+    pub took: Duration,
+}
+
+/// Open-loop load through Envoy: `rate` requests a second with `x-api-key: key` to `url` from
+/// `start` until `until`, each in its own task so a slow answer delays no other. Only 200 and
+/// 429 are expected answers. Returns every request, in the order sent.
+pub fn open_loop(
+    url: String,
+    key: &'static str,
+    rate: u64,
+    start: Instant,
+    until: Instant,
+) -> tokio::task::JoinHandle<Vec<Sent>> {
+    tokio::spawn(async move {
+        let client = crate::common::client();
+        let mut tick = tokio::time::interval(Duration::from_nanos(1_000_000_000 / rate));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+        let mut inflight = tokio::task::JoinSet::new();
+        let mut sent = Vec::new();
+        while Instant::now() < until {
+            tick.tick().await;
+            let (client, url) = (client.clone(), url.clone());
+            inflight.spawn(async move {
+                let at = start.elapsed();
+                let status = client
+                    .get(&url)
+                    .header("x-api-key", key)
+                    .send()
+                    .await
+                    .map(|r| r.status().as_u16())
+                    .unwrap_or_else(|e| panic!("{url}: {e:?}"));
+                assert!(status == 200 || status == 429, "{url}: {status}");
+                Sent {
+                    at,
+                    status,
+                    took: start.elapsed() - at,
+                }
+            });
+            while let Some(r) = inflight.try_join_next() {
+                sent.push(r.expect("request task"));
+            }
+        }
+        while let Some(r) = inflight.join_next().await {
+            sent.push(r.expect("request task"));
+        }
+        sent.sort_by_key(|s| s.at);
+        sent
+    })
+}
+
+/// The statuses of the requests sent in `[from, to)`.
+pub fn between(sent: &[Sent], from: Duration, to: Duration) -> Vec<u16> {
+    sent.iter()
+        .filter(|s| s.at >= from && s.at < to)
+        .map(|s| s.status)
+        .collect()
+}
