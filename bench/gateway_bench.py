@@ -999,11 +999,14 @@ def phase_slow(work: Path, app_port: int, redis: dict) -> tuple[dict, dict]:
     try:
         st = Stack(work, "slow", LIMIT, app_port, redis, relays)
         hot = ["hot"]
-        for gp in st.paths.values():
-            warm(work, gp, hot, 2.0)
         runs = {p: {"slow": []} for p in PATHS}
         for rep in range(SLOW_REPS):
             for p in PATHS:
+                # A hot key has recurring traffic: warm it right before each run. The paths
+                # take turns, so without this a key sat idle ~25 s between its runs, longer
+                # than a lease lives (1 s), and each run measured a cold key's first lease
+                # through the slow Redis instead.
+                attack(work, st.paths[p].url, SLOW_RATE, 2.0, hot)
                 r = measure(work, st.paths[p], SLOW_RATE, LOAD_SECS, hot)
                 runs[p]["slow"].append(r)
                 log(f"slow rep {rep + 1}/{SLOW_REPS} {p:<13} p50 {r['p50_ms']:.3f} "

