@@ -103,6 +103,8 @@ impl BucketKey {
 struct Target {
     key: BucketKey,
     limit: Limit,
+    /// The rule's index in the rule set the report was decided with.
+    rule: usize,
 }
 
 type Outgoing = Result<RateLimitQuotaResponse, tonic::Status>;
@@ -238,6 +240,11 @@ impl QuotaState {
                 );
                 if let Some(t) = &target {
                     self.remember_id(stream, &t.key, &id, &answer);
+                    // Envoy's own decisions count as the rule's, so dashboards and alerts see
+                    // a gateway's traffic as they see a sidecar's.
+                    let metrics = &rules.rules[t.rule].metrics;
+                    metrics.allowed.inc_by(usage.allowed);
+                    metrics.rejected.inc_by(usage.denied);
                 }
                 actions.push(action(id, answer, self.settings.assignment_ttl));
             }
@@ -623,6 +630,7 @@ fn target_for(rules: &RuleSet, id: &BucketId) -> Option<Target> {
                 fail_closed: rule.failure_mode == FailureMode::Closed,
             },
             limit,
+            rule: ri,
         });
     }
     best

@@ -137,8 +137,10 @@ async fn a_skewed_load_across_envoys_and_replicas_admits_the_global_limit() {
             "light part {part}: {admitted:?}"
         );
     }
-    // Both replicas counted the fleet's three streams.
+    // Both replicas counted the fleet's three streams, and the Envoys' reported decisions
+    // count as the rule's (what dashboards and alerts read).
     let client = client();
+    let (mut allowed, mut rejected) = (0.0, 0.0);
     for s in [&one, &two] {
         let m = s.metrics(&client).await;
         assert_eq!(
@@ -146,7 +148,22 @@ async fn a_skewed_load_across_envoys_and_replicas_admits_the_global_limit() {
             Some(3.0),
             "{m}"
         );
+        let count = |decision| {
+            metric(
+                &m,
+                "tollgate_requests_total",
+                &[("rule", "per-key"), ("decision", decision)],
+            )
+            .unwrap_or(0.0)
+        };
+        allowed += count("allowed");
+        rejected += count("rejected");
     }
+    // Reports come every 5 s: what the last ones covered, most of the 22 s run.
+    assert!(
+        allowed > 2000.0 && rejected > 2000.0,
+        "allowed {allowed}, rejected {rejected}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
