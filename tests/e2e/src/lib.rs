@@ -79,6 +79,21 @@ impl ControlPlane {
         PathBuf::from(self.env.get("K8SBIN_DIR").cloned().unwrap_or_default()).join("helm")
     }
 
+    /// Runs helm against this control plane, from the repository root.
+    pub fn helm(&self, args: &[&str]) -> Output {
+        let mut cmd = Command::new(self.helm_bin());
+        cmd.args(args)
+            .current_dir(repo_root())
+            .env("KUBECONFIG", self.kubeconfig())
+            .stdin(Stdio::null());
+        for (k, v) in &self.env {
+            if k.starts_with("HELM_") {
+                cmd.env(k, v);
+            }
+        }
+        cmd.output().expect("run helm")
+    }
+
     /// Runs kubectl against this control plane.
     pub fn kubectl(&self, args: &[&str]) -> Output {
         self.kubectl_stdin(args, None)
@@ -152,6 +167,32 @@ pub fn k8sbin_dir() -> PathBuf {
         return PathBuf::from(dir);
     }
     PathBuf::from(cached_bin_dir(&repo_root()))
+}
+
+/// Runs the helm of [`k8sbin_dir`] without a cluster, with throw-away helm home directories.
+pub fn helm_offline(args: &[&str]) -> Output {
+    let bin = k8sbin_dir().join("helm");
+    assert!(
+        bin.is_file(),
+        "{} is missing: build it with tools/k8sbin/build.sh (tools/test-all.sh does)",
+        bin.display()
+    );
+    let home = tempfile::tempdir().expect("temp dir");
+    Command::new(bin)
+        .args(args)
+        .current_dir(repo_root())
+        .env("HELM_CACHE_HOME", home.path().join("cache"))
+        .env("HELM_CONFIG_HOME", home.path().join("config"))
+        .env("HELM_DATA_HOME", home.path().join("data"))
+        .env_remove("KUBECONFIG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run helm")
+}
+
+/// A process's output as text (lossy).
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
 }
 
 /// `prometheus` or `promtool`, built from Go modules by `tools/k8sbin/build.sh` into

@@ -12,11 +12,8 @@
 //! - settings under which the controller would serve it no rules are refused with the reason;
 //! - `helm install` with the option on creates every object on a real API server.
 
-use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
-
 use serde_json::Value;
-use tollgate_e2e::{ControlPlane, repo_root};
+use tollgate_e2e::{ControlPlane, helm_offline, repo_root, text};
 
 const RELEASE: &str = "tollgate";
 const NS: &str = "tollgate-system";
@@ -24,35 +21,6 @@ const CHART: &str = "charts/tollgate";
 const NAME: &str = "tollgate-rate-limit-service";
 
 // === helpers ===
-
-fn helm_bin() -> PathBuf {
-    tollgate_e2e::k8sbin_dir().join("helm")
-}
-
-/// Runs helm without a cluster, with throw-away helm home directories.
-fn helm_offline(args: &[&str]) -> Output {
-    let bin = helm_bin();
-    assert!(
-        bin.is_file(),
-        "{} is missing: build it with tools/k8sbin/build.sh (tools/test-all.sh does)",
-        bin.display()
-    );
-    let home = tempfile::tempdir().unwrap();
-    Command::new(bin)
-        .args(args)
-        .current_dir(repo_root())
-        .env("HELM_CACHE_HOME", home.path().join("cache"))
-        .env("HELM_CONFIG_HOME", home.path().join("config"))
-        .env("HELM_DATA_HOME", home.path().join("data"))
-        .env_remove("KUBECONFIG")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run helm")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
 
 /// `helm template` with `--set set` (empty: defaults); panics with helm's error.
 fn render(set: &str) -> String {
@@ -552,8 +520,7 @@ fn helm_lint_passes_with_the_rate_limit_service() {
 #[test]
 fn chart_installs_the_rate_limit_service() {
     let cp = ControlPlane::start();
-    let mut cmd = Command::new(cp.helm_bin());
-    cmd.args([
+    let out = cp.helm(&[
         "install",
         RELEASE,
         CHART,
@@ -563,16 +530,7 @@ fn chart_installs_the_rate_limit_service() {
         "--no-hooks",
         "--set",
         "rateLimitService.enabled=true,networkPolicy.enabled=true,redis.dev.enabled=true",
-    ])
-    .current_dir(repo_root())
-    .env("KUBECONFIG", cp.kubeconfig())
-    .stdin(Stdio::null());
-    for (k, v) in &cp.env {
-        if k.starts_with("HELM_") {
-            cmd.env(k, v);
-        }
-    }
-    let out = cmd.output().expect("run helm");
+    ]);
     assert!(
         out.status.success(),
         "helm install: {}{}",

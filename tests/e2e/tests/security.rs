@@ -29,28 +29,14 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
-use tollgate_e2e::{ControlPlane, Proc, free_port, repo_root, serial, workspace_bin};
+use tollgate_e2e::{ControlPlane, Proc, free_port, repo_root, serial, text, workspace_bin};
 
 const NS: &str = "tollgate-system";
 const CHART: &str = "charts/tollgate";
 
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
 /// Runs helm against the control plane, from the repository root.
 fn helm(cp: &ControlPlane, args: &[&str]) -> String {
-    let mut cmd = Command::new(cp.helm_bin());
-    cmd.args(args)
-        .current_dir(repo_root())
-        .env("KUBECONFIG", cp.kubeconfig())
-        .stdin(Stdio::null());
-    for (k, v) in &cp.env {
-        if k.starts_with("HELM_") {
-            cmd.env(k, v);
-        }
-    }
-    let out = cmd.output().expect("run helm");
+    let out = cp.helm(args);
     assert!(
         out.status.success(),
         "helm {args:?}: {}{}",

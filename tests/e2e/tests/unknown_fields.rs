@@ -16,7 +16,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use tollgate_e2e::{ControlPlane, free_port, install_crd, start_controller, wait};
+use tollgate_e2e::{ControlPlane, free_port, install_crd, start_controller, text, wait};
 
 fn policy(name: &str, limit: Value) -> Value {
     json!({
@@ -26,10 +26,6 @@ fn policy(name: &str, limit: Value) -> Value {
             {"name": "r", "limit": limit, "scope": "Local"}
         ]}
     })
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
 }
 
 /// `kubectl <args> -f -` with `obj` on stdin; Ok(stdout) or Err(stderr).

@@ -19,43 +19,17 @@
 //! first. A binary older than the controller's sources is refused rather than tested.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tollgate_e2e::{ControlPlane, free_port, repo_root};
+use tollgate_e2e::{ControlPlane, free_port, helm_offline, repo_root, text};
 
 const RELEASE: &str = "tollgate";
 const NS: &str = "tollgate-system";
 const CHART: &str = "charts/tollgate";
 
 // === helpers ===
-
-/// The helm binary built by tools/k8sbin (same lookup as the harness).
-fn helm_bin() -> PathBuf {
-    tollgate_e2e::k8sbin_dir().join("helm")
-}
-
-/// Runs helm without a cluster, with throw-away helm home directories.
-fn helm_offline(args: &[&str]) -> Output {
-    let bin = helm_bin();
-    assert!(
-        bin.is_file(),
-        "{} is missing: build it with tools/k8sbin/build.sh (tools/test-all.sh does)",
-        bin.display()
-    );
-    let home = tempfile::tempdir().unwrap();
-    Command::new(bin)
-        .args(args)
-        .current_dir(repo_root())
-        .env("HELM_CACHE_HOME", home.path().join("cache"))
-        .env("HELM_CONFIG_HOME", home.path().join("config"))
-        .env("HELM_DATA_HOME", home.path().join("data"))
-        .env_remove("KUBECONFIG")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run helm")
-}
 
 /// `helm template` of the chart as release `tollgate` in [`NS`] with `--set set` and `extra`
 /// arguments; panics with helm's error.
@@ -77,25 +51,6 @@ fn helm_template(set: &str, extra: &[&str]) -> String {
         text(&out.stderr)
     );
     text(&out.stdout)
-}
-
-/// Runs helm against the control plane.
-fn helm(cp: &ControlPlane, args: &[&str]) -> Output {
-    let mut cmd = Command::new(cp.helm_bin());
-    cmd.args(args)
-        .current_dir(repo_root())
-        .env("KUBECONFIG", cp.kubeconfig())
-        .stdin(Stdio::null());
-    for (k, v) in &cp.env {
-        if k.starts_with("HELM_") {
-            cmd.env(k, v);
-        }
-    }
-    cmd.output().expect("run helm")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
 }
 
 fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
@@ -594,27 +549,24 @@ fn chart_installs_and_the_controller_injects_sidecars_and_validates_policies() {
 
     // --- helm install: every object is created, the CRD is established.
     let values = "replicas=2,networkPolicy.enabled=true,redis.dev.enabled=true";
-    let out = helm(
-        &cp,
-        &[
-            "install",
-            RELEASE,
-            CHART,
-            "-n",
-            NS,
-            "--create-namespace",
-            "--no-hooks",
-            "--set",
-            values,
-        ],
-    );
+    let out = cp.helm(&[
+        "install",
+        RELEASE,
+        CHART,
+        "-n",
+        NS,
+        "--create-namespace",
+        "--no-hooks",
+        "--set",
+        values,
+    ]);
     assert!(
         out.status.success(),
         "helm install: {}{}",
         text(&out.stdout),
         text(&out.stderr)
     );
-    let manifest = helm(&cp, &["get", "manifest", RELEASE, "-n", NS]);
+    let manifest = cp.helm(&["get", "manifest", RELEASE, "-n", NS]);
     assert!(manifest.status.success(), "{}", text(&manifest.stderr));
     let manifest = text(&manifest.stdout);
     let expected =
