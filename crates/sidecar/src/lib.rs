@@ -15,6 +15,7 @@ pub mod explain;
 pub mod global;
 pub mod identity;
 pub mod keys;
+pub mod listen;
 pub mod metrics;
 pub mod proxy;
 pub mod quota;

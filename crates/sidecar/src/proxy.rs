@@ -114,17 +114,7 @@ pub async fn serve(
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
-            accepted = listener.accept() => {
-                let (stream, peer) = match accepted {
-                    Ok(x) => x,
-                    Err(e) => {
-                        // Out of file descriptors and similar: back off instead of spinning.
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let _ = stream.set_nodelay(true);
+            (stream, peer) = crate::listen::accept(&listener) => {
                 let shared = Arc::clone(&shared);
                 // Formatted once per connection, cloned (a refcount) per request.
                 let peer_ip = HeaderValue::from_str(&peer.ip().to_string()).ok();

@@ -73,6 +73,12 @@ pub struct QuotaSettings {
 }
 
 impl QuotaSettings {
+    /// How long a replica's figures stay in Redis without a refresh: three sync rounds, so
+    /// one slow round does not drop them.
+    fn entry_lifetime(&self) -> Duration {
+        self.sync_interval * 3
+    }
+
     /// Redis figures older than this no longer describe the other replicas: a fail-closed
     /// rule denies, a fail-open one goes on with them.
     fn stale_after(&self) -> Nanos {
@@ -234,11 +240,8 @@ impl QuotaState {
             for (id, target, usage) in usages {
                 let (answer, more) = self.answer(&mut book, stream, target.as_ref(), usage, now);
                 tracing::debug!(stream, ?usage, ?answer, pushes = ?more, remote = ?target.as_ref().and_then(|t| book.remote(&t.key)), "RLQS report");
-                pushes.extend(
-                    more.into_iter()
-                        .map(|(s, a)| (s, target.as_ref().map(|t| t.key.clone()), a)),
-                );
                 if let Some(t) = &target {
+                    pushes.extend(more.into_iter().map(|(s, a)| (s, t.key.clone(), a)));
                     self.remember_id(stream, &t.key, &id, &answer);
                     // Envoy's own decisions count as the rule's, so dashboards and alerts see
                     // a gateway's traffic as they see a sidecar's.
@@ -288,8 +291,7 @@ impl QuotaState {
             Answer::Abandon => (Reply::Abandon, Vec::new()),
             // Redis unreachable: the rule's failure mode.
             _ if stale && t.key.fail_closed => (Reply::DenyAll, Vec::new()),
-            Answer::Assign(a) if a.rate <= 0.0 => (Reply::DenyAll, pushes),
-            Answer::Assign(a) => (Reply::Assign(a), pushes),
+            Answer::Assign(a) => (Reply::of(a), pushes),
         }
     }
 
@@ -330,7 +332,7 @@ impl QuotaState {
             return;
         }
         let ops: Vec<ShareOp> = fresh.iter().map(|(_, op)| op.clone()).collect();
-        let lifetime = self.settings.sync_interval * 3;
+        let lifetime = self.settings.entry_lifetime();
         let replies = global
             .store
             .share_batch(&ops, &self.settings.replica, lifetime, FIRST_READ_TIMEOUT)
@@ -370,22 +372,17 @@ impl QuotaState {
     }
 
     /// New, smaller assignments for other streams of this replica.
-    fn push(&self, pushes: Vec<(StreamId, Option<BucketKey>, Assignment)>) {
+    fn push(&self, pushes: Vec<(StreamId, BucketKey, Assignment)>) {
         let mut per_stream: BTreeMap<StreamId, Vec<BucketAction>> = BTreeMap::new();
         {
             let streams = self.streams.lock();
             for (stream, key, a) in pushes {
-                let Some(id) = key.and_then(|k| streams.get(&stream)?.ids.get(&k).cloned()) else {
+                let Some(id) = streams.get(&stream).and_then(|h| h.ids.get(&key).cloned()) else {
                     continue;
-                };
-                let reply = if a.rate > 0.0 {
-                    Reply::Assign(a)
-                } else {
-                    Reply::DenyAll
                 };
                 per_stream.entry(stream).or_default().push(action(
                     id,
-                    reply,
+                    Reply::of(a),
                     self.settings.assignment_ttl,
                 ));
             }
@@ -423,7 +420,7 @@ impl QuotaState {
         self.push(
             changed
                 .into_iter()
-                .map(|(key, stream, a)| (stream, Some(key), a))
+                .map(|(key, stream, a)| (stream, key, a))
                 .collect(),
         );
     }
@@ -453,7 +450,7 @@ impl QuotaState {
             assigned_milli: 0,
             streams: streams.max(1),
         });
-        let lifetime = self.settings.sync_interval * 3;
+        let lifetime = self.settings.entry_lifetime();
         let timeout = self.settings.sync_interval.min(Duration::from_millis(250));
         let Ok(mut replies) = global
             .store
@@ -500,6 +497,17 @@ enum Reply {
     AllowAll,
     DenyAll,
     Abandon,
+}
+
+impl Reply {
+    /// An assignment, or `DENY_ALL` for a share of nothing (a token bucket cannot say it).
+    fn of(a: Assignment) -> Reply {
+        if a.rate > 0.0 {
+            Reply::Assign(a)
+        } else {
+            Reply::DenyAll
+        }
+    }
 }
 
 /// A reply in RLQS terms.

@@ -84,16 +84,7 @@ pub async fn serve(
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
-            accepted = listener.accept() => {
-                let (stream, peer) = match accepted {
-                    Ok(x) => x,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let _ = stream.set_nodelay(true);
+            (stream, peer) = crate::listen::accept(&listener) => {
                 let (rls, rlqs) = (rls.clone(), rlqs.clone());
                 let service = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
                     let call: GrpcCall = if req.uri().path().starts_with(RLQS_PREFIX) {
