@@ -112,6 +112,7 @@ pub async fn run(
                 header_read_timeout: args.header_read_timeout,
                 max_header_bytes: args.max_header_bytes,
                 shadow_header: args.shadow_header,
+                fast_http1: args.fast_http1,
             },
         )?)),
         None => None,

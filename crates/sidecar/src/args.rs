@@ -86,6 +86,12 @@ pub struct RunArgs {
     #[arg(long, env = "TOLLGATE_SHADOW_HEADER", default_value_t = false)]
     pub shadow_header: bool,
 
+    /// Serve plain keep-alive HTTP/1.1 requests on the lean single-task path (hyper still
+    /// serves HTTP/2, upgrades, streamed request bodies, and everything while tracing is on).
+    /// `false` sends all traffic through hyper.
+    #[arg(long, env = "TOLLGATE_FAST_HTTP1", default_value_t = true, action = clap::ArgAction::Set)]
+    pub fast_http1: bool,
+
     /// Most rejection audit lines written per second; the rest are only counted.
     #[arg(long, env = "TOLLGATE_AUDIT_PER_SECOND", default_value_t = 100)]
     pub audit_per_second: u64,

@@ -3,6 +3,12 @@
 //! Bodies are streamed in both directions (never buffered), `Upgrade` (WebSocket) is passed
 //! through, hop-by-hop headers are dropped per RFC 9110 §7.6.1 and `X-Forwarded-For` gets the
 //! peer appended. Upstream failures map to 502 (connect) and 504 (timeout), never to 429.
+//!
+//! Plain HTTP/1.1 keep-alive traffic takes the fast path in [`h1`]; hyper serves the rest
+//! (HTTP/2, upgrades, streamed request bodies, malformed heads) and every connection while
+//! tracing is on.
+
+mod h1;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -38,6 +44,8 @@ pub struct ProxyConfig {
     pub header_read_timeout: Duration,
     pub max_header_bytes: usize,
     pub shadow_header: bool,
+    /// Serve plain HTTP/1.1 on the fast path ([`h1`]); off, hyper serves everything.
+    pub fast_http1: bool,
 }
 
 /// The proxy edge: the engine it decides with, and its own upstream.
@@ -111,10 +119,14 @@ pub async fn serve(
     // shutdown by the header read timeout.
     let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
     let head_timeout = shared.config.header_read_timeout;
+    // The fast path does not create spans or propagate trace context: with tracing on, hyper
+    // serves every request.
+    let fast_path = shared.config.fast_http1 && !telemetry::enabled();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             (stream, peer) = crate::listen::accept(&listener) => {
+                let fast = fast_path.then(|| Arc::clone(&shared));
                 let shared = Arc::clone(&shared);
                 // Formatted once per connection, cloned (a refcount) per request.
                 let peer_ip = HeaderValue::from_str(&peer.ip().to_string()).ok();
@@ -124,6 +136,7 @@ pub async fn serve(
                     async move { Ok::<_, Infallible>(handle(shared, peer, peer_ip, req).await) }
                 });
                 let builder = builder.clone();
+                // Held by fast-path connections too, so the drain waits for them.
                 let watcher = graceful.watcher();
                 let mut stopping = stopping.clone();
                 tokio::spawn(async move {
@@ -142,7 +155,14 @@ pub async fn serve(
                             return;
                         }
                     }
-                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                    let io = match fast {
+                        Some(proxy) => match h1::serve(&proxy, stream, peer, stopping).await {
+                            Some(handed_off) => handed_off,
+                            None => return,
+                        },
+                        None => h1::Prefixed::whole(stream),
+                    };
+                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
                     if let Err(e) = watcher.watch(conn.into_owned()).await {
                         tracing::debug!(error = %e, %peer, "connection ended with an error");
                     }
@@ -233,18 +253,23 @@ async fn handle_inner(
     let rules = shared.engine.rules.load_full();
     let (parts, body) = req.into_parts();
     let verdict = shared.engine.decide(&rules, &parts, &peer).await;
-    let seed = rejection_seed(&rules, &verdict, &parts, &peer);
-    let req = Request::from_parts(parts, body);
     if let Some(span) = span {
         record_decision(span, &rules, &verdict);
     }
     match verdict.outcome() {
-        Outcome::Unavailable(ri) => local(response::unavailable(&rules, &verdict, ri, seed)),
+        Outcome::Unavailable(ri) => {
+            let seed = rejection_seed(&rules, &verdict, &parts, &peer);
+            local(response::unavailable(&rules, &verdict, ri, seed))
+        }
         Outcome::Reject(rejection) => {
-            audit_rejection(&shared, &rules, rejection, &req, &peer, span);
+            let seed = rejection_seed(&rules, &verdict, &parts, &peer);
+            audit_rejection(&shared, &rules, rejection, &parts, &peer, span);
             local(response::too_many_requests(&rules, &verdict, seed))
         }
-        Outcome::Admit => forward(shared, rules, verdict, req, peer, peer_ip, span).await,
+        Outcome::Admit => {
+            let req = Request::from_parts(parts, body);
+            forward(shared, rules, verdict, req, peer, peer_ip, span).await
+        }
     }
 }
 
@@ -261,11 +286,11 @@ fn record_decision(span: &tracing::Span, rules: &RuleSet, verdict: &Verdict) {
     }
 }
 
-fn audit_rejection<B>(
+fn audit_rejection(
     shared: &Proxy,
     rules: &RuleSet,
     rejection: &Rejection,
-    req: &Request<B>,
+    req: &Parts,
     peer: &SocketAddr,
     span: Option<&tracing::Span>,
 ) {
@@ -273,9 +298,9 @@ fn audit_rejection<B>(
     let rule = &rules.rules[ri];
     let request = crate::audit::RejectedRequest {
         policy: &rules.policies[rule.policy].id,
-        method: req.method(),
-        path: req.uri().path(),
-        headers: req.headers(),
+        method: &req.method,
+        path: req.uri.path(),
+        headers: &req.headers,
         peer,
         trusted_hops: trusted_hops(rules, ri),
         span,
@@ -316,30 +341,56 @@ async fn forward(
         .metrics
         .upstream_seconds
         .observe(shared.engine.clock.now().saturating_sub(t0) as f64 / 1e9);
-    if !verdict.settlements.is_empty() {
-        settle_at_response(&rules, &verdict, &result, shared.engine.clock.now());
-    }
     let (resp, lease) = match result {
         Ok(Ok(x)) => x,
         Ok(Err(e)) => {
-            shared.engine.metrics.upstream_error("connect");
             tracing::warn!(error = %e, upstream = %shared.config.upstream, "upstream request failed");
-            return local(response::problem(
-                StatusCode::BAD_GATEWAY,
-                "Bad Gateway",
-                "The application behind the rate limiter could not be reached.",
-            ));
+            return local(upstream_failure(&shared, &rules, &verdict, false));
         }
-        Err(_) => {
-            shared.engine.metrics.upstream_error("timeout");
-            return local(response::problem(
-                StatusCode::GATEWAY_TIMEOUT,
-                "Gateway Timeout",
-                "The application behind the rate limiter did not answer in time.",
-            ));
-        }
+        Err(_) => return local(upstream_failure(&shared, &rules, &verdict, true)),
     };
+    if !verdict.settlements.is_empty() {
+        let now = shared.engine.clock.now();
+        let status = resp.status().as_u16();
+        rules.settle(&verdict.settlements, status, resp.headers(), now);
+    }
     admitted_response(&shared, &rules, verdict, resp, lease, inbound_upgrade)
+}
+
+/// The app could not be reached (502) or did not answer in time (504): counted, the costs that
+/// depend on the status settled, and the problem answer made.
+fn upstream_failure(
+    shared: &Proxy,
+    rules: &RuleSet,
+    verdict: &Verdict,
+    timed_out: bool,
+) -> Response<Bytes> {
+    let (kind, status, title, detail) = if timed_out {
+        (
+            "timeout",
+            StatusCode::GATEWAY_TIMEOUT,
+            "Gateway Timeout",
+            "The application behind the rate limiter did not answer in time.",
+        )
+    } else {
+        (
+            "connect",
+            StatusCode::BAD_GATEWAY,
+            "Bad Gateway",
+            "The application behind the rate limiter could not be reached.",
+        )
+    };
+    shared.engine.metrics.upstream_error(kind);
+    if !verdict.settlements.is_empty() {
+        let now = shared.engine.clock.now();
+        rules.settle(
+            &verdict.settlements,
+            status.as_u16(),
+            &HeaderMap::new(),
+            now,
+        );
+    }
+    response::problem(status, title, detail)
 }
 
 /// The app's response on its way back: hop-by-hop fields dropped (or an upgrade spliced),
@@ -387,23 +438,6 @@ fn admitted_response(
     })
 }
 
-/// Settles the costs known only now: the status the client gets (502 and 504 when the app
-/// failed) and the app's response headers.
-fn settle_at_response<B, L, E, T>(
-    rules: &RuleSet,
-    verdict: &Verdict,
-    result: &Result<Result<(Response<B>, L), E>, T>,
-    now: tollgate_limiter::Nanos,
-) {
-    let empty = HeaderMap::new();
-    let (status, headers) = match result {
-        Ok(Ok((resp, _))) => (resp.status().as_u16(), resp.headers()),
-        Ok(Err(_)) => (502, &empty),
-        Err(_) => (504, &empty),
-    };
-    rules.settle(&verdict.settlements, status, headers, now);
-}
-
 fn is_upgrade(headers: &HeaderMap) -> bool {
     headers.contains_key(header::UPGRADE)
         && headers.get_all(header::CONNECTION).iter().any(|v| {
@@ -422,6 +456,18 @@ fn to_upstream(
     shared: &Proxy,
 ) -> Request<Incoming> {
     let (mut parts, body) = req.into_parts();
+    prepare_upstream(&mut parts, peer, peer_ip, shared);
+    Request::from_parts(parts, body)
+}
+
+/// The request head as the app gets it: origin-form target, HTTP/1.1, a `Host`, hop-by-hop
+/// fields dropped (an upgrade's kept), and the peer appended to `X-Forwarded-For`.
+fn prepare_upstream(
+    parts: &mut Parts,
+    peer: &SocketAddr,
+    peer_ip: Option<HeaderValue>,
+    shared: &Proxy,
+) {
     let upgrade = is_upgrade(&parts.headers);
     let upgrade_proto = parts.headers.get(header::UPGRADE).cloned();
     if !parts.headers.contains_key(header::HOST) {
@@ -454,7 +500,6 @@ fn to_upstream(
             .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     }
     append_forwarded_for(&mut parts.headers, peer, peer_ip);
-    Request::from_parts(parts, body)
 }
 
 static HOP_BY_HOP: [HeaderName; 8] = [

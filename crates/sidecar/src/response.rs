@@ -140,9 +140,22 @@ fn push_list_sep(buf: &mut BytesMut, first: &mut bool) {
     }
 }
 
+/// Where response fields go: a header map (responses built for hyper), or an HTTP/1 head being
+/// encoded (the fast path, which copies the app's head line by line and never builds a map).
+pub trait FieldSink {
+    /// Sets `name`, replacing any value the response already had.
+    fn set(&mut self, name: &HeaderName, value: HeaderValue);
+}
+
+impl FieldSink for HeaderMap {
+    fn set(&mut self, name: &HeaderName, value: HeaderValue) {
+        self.insert(name.clone(), value);
+    }
+}
+
 /// Writes the fields of `entries` per their policies' profiles. `retry` is the 429's
 /// `Retry-After`, which the legacy `Reset` fields repeat so that they agree with it.
-fn write_fields(headers: &mut HeaderMap, entries: &[Entry<'_>], retry: Option<u64>) {
+fn write_fields(headers: &mut impl FieldSink, entries: &[Entry<'_>], retry: Option<u64>) {
     let mut num = itoa::Buffer::new();
     let mut buf = BytesMut::with_capacity(entries.len() * 96);
     let mut first = true;
@@ -173,7 +186,7 @@ fn write_fields(headers: &mut HeaderMap, entries: &[Entry<'_>], retry: Option<u6
     if !policy.is_empty() {
         for (name, value) in [(&RATELIMIT_POLICY, policy), (&RATELIMIT, service)] {
             if let Ok(v) = HeaderValue::from_maybe_shared(value) {
-                headers.insert(name.clone(), v);
+                headers.set(name, v);
             }
         }
     }
@@ -200,7 +213,7 @@ fn write_fields(headers: &mut HeaderMap, entries: &[Entry<'_>], retry: Option<u6
                     .into_iter()
                     .zip([e.decision.limit, e.decision.remaining, reset])
             {
-                headers.insert(name.clone(), HeaderValue::from(value));
+                headers.set(name, HeaderValue::from(value));
             }
         }
     }
@@ -245,7 +258,7 @@ fn entries<'a>(
 }
 
 /// Adds the fields of every enforcing rule that admitted the request.
-pub fn add_admitted_fields(headers: &mut HeaderMap, rules: &RuleSet, verdict: &Verdict) {
+pub fn add_admitted_fields(headers: &mut impl FieldSink, rules: &RuleSet, verdict: &Verdict) {
     if verdict.admitted.is_empty() {
         return;
     }

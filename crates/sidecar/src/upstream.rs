@@ -125,20 +125,14 @@ impl Upstream {
         }
     }
 
+    /// The app's `host:port`.
+    pub fn addr(&self) -> &str {
+        &self.inner.addr
+    }
+
     async fn connect(&self) -> Result<http1::SendRequest<Incoming>, UpstreamError> {
         let addr = &self.inner.addr;
-        let stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(source)) => {
-                return Err(UpstreamError::Connect {
-                    addr: addr.clone(),
-                    source,
-                });
-            }
-            Err(_) => return Err(UpstreamError::ConnectTimeout { addr: addr.clone() }),
-        };
-        // Requests and responses are written whole; Nagle would only delay the next one.
-        let _ = stream.set_nodelay(true);
+        let stream = dial(addr).await?;
         let (sender, conn) = self
             .inner
             .builder
@@ -156,6 +150,27 @@ impl Upstream {
         self.inner.start_sweeper();
         Ok(sender)
     }
+}
+
+/// A new TCP connection to the app, within [`CONNECT_TIMEOUT`].
+pub async fn dial(addr: &str) -> Result<TcpStream, UpstreamError> {
+    let stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(source)) => {
+            return Err(UpstreamError::Connect {
+                addr: addr.to_string(),
+                source,
+            });
+        }
+        Err(_) => {
+            return Err(UpstreamError::ConnectTimeout {
+                addr: addr.to_string(),
+            });
+        }
+    };
+    // Requests and responses are written whole; Nagle would only delay the next one.
+    let _ = stream.set_nodelay(true);
+    Ok(stream)
 }
 
 impl Inner {
