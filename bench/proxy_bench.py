@@ -731,6 +731,11 @@ def goals(S: dict, mem: dict, keys: dict | None) -> list[dict]:
         med("nginx", k5, "cpu"), 0.9, False, "µs")
     add("G2", f"CPU µs/req @ {k5} rps vs Envoy", "≤ 0.25×", med("tollgate", k5, "cpu"),
         med("envoy", k5, "cpu"), 0.25, False, "µs", "extra (§4)")
+    # Issue 19 (the proxy hop): CPU per admitted request with the proxy's core saturated.
+    add("G2", "CPU µs/req at saturation vs nginx", "≤ 0.9×", med("tollgate", "sat", "cpu"),
+        med("nginx", "sat", "cpu"), 0.9, False, "µs")
+    add("G2", "CPU µs/req at saturation vs Envoy", "≤ 0.33×", med("tollgate", "sat", "cpu"),
+        med("envoy", "sat", "cpu"), 0.33, False, "µs")
     add("G3", "saturation req/s vs nginx", "≥ 1.1×", med("tollgate", "sat", "rps"),
         med("nginx", "sat", "rps"), 1.1, True, "req/s")
     add("G3", "saturation req/s vs Envoy", "≥ 3×", med("tollgate", "sat", "rps"),

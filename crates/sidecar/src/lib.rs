@@ -17,6 +17,7 @@ pub mod identity;
 pub mod keys;
 pub mod listen;
 pub mod metrics;
+pub mod problem;
 pub mod proxy;
 pub mod quota;
 pub mod replay;

@@ -31,7 +31,6 @@ pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 pub static SHADOW_HEADER: HeaderName = HeaderName::from_static("tollgate-shadow-rejected");
 
 /// The draft's problem types (IANA HTTP Problem Types registry).
-const QUOTA_EXCEEDED: &str = "https://iana.org/assignments/http-problem-types#quota-exceeded";
 const REDUCED_CAPACITY: &str =
     "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity";
 
@@ -123,33 +122,47 @@ impl Entry<'_> {
     }
 }
 
+/// A field value being built: on the stack for up to a few rules.
+type FieldValue = SmallVec<[u8; 256]>;
+
 /// Appends `;pk=:<base64>:`, the partition key: the counter key's hash, never the key.
-fn push_pk(buf: &mut BytesMut, key_hash: u64) {
+fn push_pk(buf: &mut FieldValue, key_hash: u64) {
     let mut b64 = [0u8; 12];
     let n = base64::engine::general_purpose::STANDARD
         .encode_slice(key_hash.to_be_bytes(), &mut b64)
         .unwrap_or(0);
-    buf.put_slice(b";pk=:");
-    buf.put_slice(&b64[..n]);
-    buf.put_u8(b':');
+    buf.extend_from_slice(b";pk=:");
+    buf.extend_from_slice(&b64[..n]);
+    buf.push(b':');
 }
 
-fn push_list_sep(buf: &mut BytesMut, first: &mut bool) {
+fn push_list_sep(buf: &mut FieldValue, first: &mut bool) {
     if !std::mem::replace(first, false) {
-        buf.put_slice(b", ");
+        buf.extend_from_slice(b", ");
     }
 }
 
 /// Where response fields go: a header map (responses built for hyper), or an HTTP/1 head being
 /// encoded (the fast path, which copies the app's head line by line and never builds a map).
 pub trait FieldSink {
-    /// Sets `name`, replacing any value the response already had.
-    fn set(&mut self, name: &HeaderName, value: HeaderValue);
+    /// Sets `name`, replacing any value the response already had. A value that is not a valid
+    /// field value (never the case for what this module writes) is left out.
+    fn set(&mut self, name: &HeaderName, value: &[u8]);
+
+    fn set_u64(&mut self, name: &HeaderName, value: u64) {
+        self.set(name, itoa::Buffer::new().format(value).as_bytes());
+    }
 }
 
 impl FieldSink for HeaderMap {
-    fn set(&mut self, name: &HeaderName, value: HeaderValue) {
-        self.insert(name.clone(), value);
+    fn set(&mut self, name: &HeaderName, value: &[u8]) {
+        if let Ok(v) = HeaderValue::from_bytes(value) {
+            self.insert(name.clone(), v);
+        }
+    }
+
+    fn set_u64(&mut self, name: &HeaderName, value: u64) {
+        self.insert(name.clone(), HeaderValue::from(value));
     }
 }
 
@@ -157,38 +170,37 @@ impl FieldSink for HeaderMap {
 /// `Retry-After`, which the legacy `Reset` fields repeat so that they agree with it.
 fn write_fields(headers: &mut impl FieldSink, entries: &[Entry<'_>], retry: Option<u64>) {
     let mut num = itoa::Buffer::new();
-    let mut buf = BytesMut::with_capacity(entries.len() * 96);
+    // On the stack for up to a few rules.
+    let mut buf = FieldValue::new();
     let mut first = true;
     for e in entries.iter().filter(|e| e.draft()) {
         push_list_sep(&mut buf, &mut first);
-        buf.put_slice(e.item);
+        buf.extend_from_slice(e.item);
         if e.partition_key {
             push_pk(&mut buf, e.key_hash);
         }
     }
-    let policy = buf.split().freeze();
+    if !buf.is_empty() {
+        headers.set(&RATELIMIT_POLICY, &buf);
+    }
+    buf.clear();
     first = true;
     for e in entries.iter().filter(|e| e.draft()) {
         push_list_sep(&mut buf, &mut first);
-        buf.put_u8(b'"');
-        buf.put_slice(e.rule.name.as_bytes());
-        buf.put_slice(b"\";r=");
-        buf.put_slice(num.format(e.decision.remaining).as_bytes());
+        buf.push(b'"');
+        buf.extend_from_slice(e.rule.name.as_bytes());
+        buf.extend_from_slice(b"\";r=");
+        buf.extend_from_slice(num.format(e.decision.remaining).as_bytes());
         if let Some(t) = effective_window(e.rule, e.decision) {
-            buf.put_slice(b";t=");
-            buf.put_slice(num.format(ceil_secs(t, 0)).as_bytes());
+            buf.extend_from_slice(b";t=");
+            buf.extend_from_slice(num.format(ceil_secs(t, 0)).as_bytes());
         }
         if e.partition_key {
             push_pk(&mut buf, e.key_hash);
         }
     }
-    let service = buf.split().freeze();
-    if !policy.is_empty() {
-        for (name, value) in [(&RATELIMIT_POLICY, policy), (&RATELIMIT, service)] {
-            if let Ok(v) = HeaderValue::from_maybe_shared(value) {
-                headers.set(name, v);
-            }
-        }
+    if !buf.is_empty() {
+        headers.set(&RATELIMIT, &buf);
     }
     for (profile, names) in [
         (
@@ -213,7 +225,7 @@ fn write_fields(headers: &mut impl FieldSink, entries: &[Entry<'_>], retry: Opti
                     .into_iter()
                     .zip([e.decision.limit, e.decision.remaining, reset])
             {
-                headers.set(name, HeaderValue::from(value));
+                headers.set_u64(name, value);
             }
         }
     }
@@ -271,37 +283,45 @@ pub fn add_admitted_fields(headers: &mut impl FieldSink, rules: &RuleSet, verdic
 /// The 429 for a rejected request: the rejecting rule's wait as `Retry-After`, and the fields
 /// of every rule the request reached (those that admitted it, then the one that did not).
 pub fn too_many_requests(rules: &RuleSet, verdict: &Verdict, client_seed: u64) -> Response<Bytes> {
-    let Some(rejection) = &verdict.rejected else {
+    // Sized for the headers written, so the map never grows.
+    let mut headers = HeaderMap::with_capacity(8);
+    let mut body = Vec::with_capacity(512);
+    if write_too_many_requests(&mut headers, &mut body, rules, verdict, client_seed).is_none() {
         return problem(
             StatusCode::INTERNAL_SERVER_ERROR,
             "Internal error",
             "no rejection",
         );
-    };
-    let limited = &rejection.limited;
-    let rule = &rules.rules[limited.rule].rule;
-    let retry = retry_after_secs(limited.decision.retry_after, client_seed);
-    let mut resp = Response::new(Bytes::from(rejection_body(rule, retry)));
+    }
+    let mut resp = Response::new(Bytes::from(body));
     *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
-    // Sized for the headers below, so the map never grows.
-    *resp.headers_mut() = HeaderMap::with_capacity(8);
-    let h = resp.headers_mut();
-    h.insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    );
-    h.insert(http::header::RETRY_AFTER, HeaderValue::from(retry));
-    h.insert(
-        http::header::CACHE_CONTROL,
-        HeaderValue::from_static("no-store"),
-    );
+    *resp.headers_mut() = headers;
+    resp
+}
+
+/// The 429's header fields into `sink` and its body onto `body`, for writers that encode the
+/// head themselves (and for [`too_many_requests`]). None when the verdict rejected nothing.
+pub fn write_too_many_requests(
+    sink: &mut impl FieldSink,
+    body: &mut Vec<u8>,
+    rules: &RuleSet,
+    verdict: &Verdict,
+    client_seed: u64,
+) -> Option<()> {
+    let limited = &verdict.rejected.as_ref()?.limited;
+    let active = &rules.rules[limited.rule];
+    let retry = retry_after_secs(limited.decision.retry_after, client_seed);
+    active.rejection_body.write(&active.rule, retry, body);
+    sink.set(&http::header::CONTENT_TYPE, b"application/problem+json");
+    sink.set_u64(&http::header::RETRY_AFTER, retry);
+    sink.set(&http::header::CACHE_CONTROL, b"no-store");
     let entries = entries(
         rules,
         verdict.admitted.iter().chain(std::iter::once(limited)),
         true,
     );
-    write_fields(h, &entries, Some(retry));
-    resp
+    write_fields(sink, &entries, Some(retry));
+    Some(())
 }
 
 /// The 503 of a fail-closed rule whose counter store is unreachable: a jittered `Retry-After`
@@ -345,42 +365,6 @@ pub fn unavailable(
     resp
 }
 
-/// The problem+json body of a 429: byte for byte what `serde_json::json!` produces (keys in
-/// sorted order), written directly. Building, serialising and dropping a `Value` map was over
-/// a third of the instructions of a whole rejected request (bench/cpu_per_decision.py), which
-/// must stay cheaper than an admitted one.
-fn rejection_body(rule: &CompiledRule, retry: u64) -> String {
-    use std::fmt::Write as _;
-    let detail = format!(
-        "Rule {:?} allows {}; retry after {retry} s.",
-        rule.name,
-        limit_words(rule)
-    );
-    let policy = rule.id.rsplit_once('/').map(|(p, _)| p).unwrap_or_default();
-    let mut out = String::with_capacity(256 + detail.len() + policy.len() + rule.name.len());
-    out.push_str("{\"detail\":");
-    push_json_str(&mut out, &detail);
-    let _ = write!(out, ",\"limit\":{},\"policy\":", rule.limit.requests);
-    push_json_str(&mut out, policy);
-    let _ = write!(out, ",\"retryAfterSeconds\":{retry},\"rule\":");
-    push_json_str(&mut out, &rule.name);
-    let _ = write!(
-        out,
-        ",\"status\":429,\"title\":\"{QUOTA_EXCEEDED_TITLE}\",\"type\":\"{QUOTA_EXCEEDED}\",\
-         \"violated-policies\":["
-    );
-    push_json_str(&mut out, &rule.name);
-    let _ = write!(
-        out,
-        "],\"windowSeconds\":{}}}",
-        rule.limit.period_ms.div_ceil(1000)
-    );
-    out
-}
-
-const QUOTA_EXCEEDED_TITLE: &str =
-    "Request cannot be satisfied as assigned quota has been exceeded";
-
 /// The problem+json body of the fail-closed 503 (off the hot path: serde_json is fine here).
 fn unavailable_body(rule: &CompiledRule, retry: u64) -> String {
     serde_json::json!({
@@ -397,18 +381,6 @@ fn unavailable_body(rule: &CompiledRule, retry: u64) -> String {
         "retryAfterSeconds": retry,
     })
     .to_string()
-}
-
-/// Appends `s` as a JSON string literal.
-fn push_json_str(out: &mut String, s: &str) {
-    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
-        out.push('"');
-        out.push_str(s);
-        out.push('"');
-    } else if let Ok(quoted) = serde_json::to_string(s) {
-        // Serialising a string cannot fail.
-        out.push_str(&quoted);
-    }
 }
 
 /// A problem+json response for errors the sidecar itself produces (502, 504, 400).
@@ -429,20 +401,6 @@ pub fn problem(status: StatusCode, title: &str, detail: &str) -> Response<Bytes>
 }
 
 /// "100 requests per minute" style wording for the problem detail.
-fn limit_words(rule: &CompiledRule) -> String {
-    let l = &rule.limit;
-    if l.period_ms == 0 {
-        return format!("{} requests in flight", l.requests);
-    }
-    let period = match l.period_ms {
-        1_000 => "second".to_string(),
-        60_000 => "minute".to_string(),
-        3_600_000 => "hour".to_string(),
-        ms => tollgate_crd::duration::format(std::time::Duration::from_millis(ms)),
-    };
-    format!("{} requests per {period}", l.requests)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -458,41 +416,6 @@ mod tests {
         assert!((100..=120).contains(&wide), "{wide}");
         assert_eq!(retry_after_secs(1, 0), 1);
         assert_eq!(retry_after_secs(NEVER, 7), MAX_RETRY_AFTER_SECS);
-    }
-
-    /// The hand-written 429 body is exactly what serde_json builds, for any rule name.
-    #[test]
-    fn rejection_body_matches_serde_json() {
-        let yaml = "apiVersion: tollgate.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata:\n  \
-                    name: p\n  namespace: ns\nspec:\n  targetRef:\n    selector: {}\n  \
-                    rules:\n    - name: r\n      limit: {requests: 7, period: 90s}\n";
-        let policy = &tollgate_crd::parse_yaml(yaml).unwrap()[0];
-        let mut rule = tollgate_crd::compile(policy).unwrap().rules[0].clone();
-        for name in [
-            "r",
-            "per-key",
-            "quote\"back\\slash",
-            "tab\tnl\nctl\u{1}",
-            "ünïcode ✓",
-        ] {
-            rule.name = name.to_string();
-            for retry in [1, 61, 86_400] {
-                let expected = serde_json::json!({
-                    "type": QUOTA_EXCEEDED,
-                    "title": QUOTA_EXCEEDED_TITLE,
-                    "violated-policies": [rule.name],
-                    "status": 429,
-                    "detail": format!("Rule {:?} allows {}; retry after {retry} s.", rule.name, limit_words(&rule)),
-                    "rule": rule.name,
-                    "policy": rule.id.rsplit_once('/').map(|(p, _)| p).unwrap_or_default(),
-                    "limit": rule.limit.requests,
-                    "windowSeconds": rule.limit.period_ms.div_ceil(1000),
-                    "retryAfterSeconds": retry,
-                })
-                .to_string();
-                assert_eq!(rejection_body(&rule, retry), expected);
-            }
-        }
     }
 
     #[test]

@@ -35,6 +35,8 @@ pub struct ActiveRule {
     pub metrics: RuleMetrics,
     /// Precomputed `RateLimit-Policy` item: `"name";q=100;w=60`.
     pub policy_item: bytes::Bytes,
+    /// Its 429 body, rendered once with the seconds left open.
+    pub rejection_body: crate::problem::RejectionBody,
     /// `limit.blockFor`: keys that exceeded the rule, kept across reloads of the same rule.
     pub blocks: Option<Arc<BlockList>>,
 }
@@ -130,6 +132,7 @@ impl RuleSet {
                     limiter,
                     global: global_rule,
                     policy_item,
+                    rejection_body: crate::problem::RejectionBody::new(rule),
                     blocks,
                 });
             }

@@ -114,6 +114,8 @@ struct Connection<'p> {
     out: Vec<u8>,
     /// The fields this sidecar adds to the current response.
     fields: FieldLines,
+    /// The body of a 429 being written.
+    body: Vec<u8>,
     app: Option<AppConn>,
     head_deadline: Deadline,
     app_deadline: Deadline,
@@ -150,6 +152,7 @@ impl<'p> Connection<'p> {
             input: BytesMut::with_capacity(CLIENT_READ),
             out: Vec::new(),
             fields: FieldLines::default(),
+            body: Vec::new(),
             app: None,
             head_deadline: Deadline::new(proxy.config.header_read_timeout),
             app_deadline: Deadline::new(proxy.config.upstream_timeout),
@@ -233,13 +236,33 @@ impl<'p> Connection<'p> {
             Outcome::Reject(rejection) => {
                 let seed = super::rejection_seed(&rules, &verdict, &req.parts, &self.peer);
                 super::audit_rejection(proxy, &rules, rejection, &req.parts, &self.peer, None);
-                let resp = response::too_many_requests(&rules, &verdict, seed);
-                self.answer_locally(&resp, req.close).await
+                self.reject(&rules, &verdict, seed, req.close).await
             }
         }
     }
 
-    /// Writes a response made here (429, 503, 502, 504, 400). False when the connection is to
+    /// Writes the 429 straight from its parts: the rule's pre-rendered body and the fields,
+    /// with no header map or response built. False when the connection is to close.
+    async fn reject(&mut self, rules: &RuleSet, verdict: &Verdict, seed: u64, close: bool) -> bool {
+        let closing = close || self.stopping();
+        self.fields.clear();
+        self.body.clear();
+        let written = response::write_too_many_requests(
+            &mut self.fields,
+            &mut self.body,
+            rules,
+            verdict,
+            seed,
+        );
+        if written.is_none() {
+            return false;
+        }
+        let status = StatusCode::TOO_MANY_REQUESTS;
+        wire::encode_made_here(&mut self.out, status, &self.fields, &self.body, closing);
+        self.client.write_all(&self.out).await.is_ok() && !closing
+    }
+
+    /// Writes a response made here (503, 502, 504, 400). False when the connection is to
     /// close.
     async fn answer_locally(&mut self, resp: &Response<Bytes>, close: bool) -> bool {
         let closing = close || self.stopping();
@@ -314,8 +337,8 @@ impl<'p> Connection<'p> {
         self.fields.clear();
         response::add_admitted_fields(&mut self.fields, rules, verdict);
         if verdict.shadow_rejections > 0 && self.proxy.config.shadow_header {
-            let count = HeaderValue::from(verdict.shadow_rejections);
-            self.fields.set(&response::SHADOW_HEADER, count);
+            let count = u64::from(verdict.shadow_rejections);
+            self.fields.set_u64(&response::SHADOW_HEADER, count);
         }
         let Some(app) = self.app.as_mut() else {
             return false;
@@ -495,11 +518,15 @@ impl FieldLines {
 }
 
 impl FieldSink for FieldLines {
-    fn set(&mut self, name: &HeaderName, value: HeaderValue) {
+    fn set(&mut self, name: &HeaderName, value: &[u8]) {
+        // What HeaderValue refuses: control characters other than tab (no CR, no LF).
+        if value.iter().any(|&b| (b < 0x20 && b != b'\t') || b == 0x7f) {
+            return;
+        }
         if !self.names.contains(name) {
             self.names.push(name.clone());
         }
-        wire::push_header(&mut self.lines, name.as_str().as_bytes(), value.as_bytes());
+        wire::push_header(&mut self.lines, name.as_str().as_bytes(), value);
     }
 }
 

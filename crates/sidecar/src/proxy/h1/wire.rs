@@ -310,6 +310,23 @@ pub(super) fn encode_local(out: &mut Vec<u8>, resp: &Response<Bytes>, closing: b
     out.extend_from_slice(resp.body());
 }
 
+/// Encodes a response made here from its parts: `fields` (all its header lines) and `body`.
+pub(super) fn encode_made_here(
+    out: &mut Vec<u8>,
+    status: StatusCode,
+    fields: &FieldLines,
+    body: &[u8],
+    closing: bool,
+) {
+    out.clear();
+    push_status_line(out, status.as_u16(), b"");
+    out.extend_from_slice(&fields.lines);
+    let mut n = itoa::Buffer::new();
+    push_header(out, b"content-length", n.format(body.len()).as_bytes());
+    finish_head(out, true, closing);
+    out.extend_from_slice(body);
+}
+
 fn push_status_line(out: &mut Vec<u8>, status: u16, reason: &[u8]) {
     out.extend_from_slice(b"HTTP/1.1 ");
     let mut n = itoa::Buffer::new();
@@ -643,10 +660,7 @@ X-Private: secret\r\nRateLimit: \"app\";r=1\r\nTransfer-Encoding: chunked\r\nDat
 X-App: 1\r\n\r\n";
         let head = response(raw, false);
         let mut fields = FieldLines::default();
-        fields.set(
-            &crate::response::RATELIMIT,
-            HeaderValue::from_static("\"r\";r=4"),
-        );
+        fields.set(&crate::response::RATELIMIT, b"\"r\";r=4");
         let mut out = Vec::new();
         encode_response_head(&mut out, raw, &head, &fields, true);
         assert_eq!(
