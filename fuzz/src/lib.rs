@@ -34,6 +34,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("key_extraction", key_extraction),
     ("stream_line", stream_line),
     ("lease_reply", lease_reply),
+    ("http1_wire", http1_wire),
 ];
 
 // ---------------------------------------------------------------------------------------------
@@ -1100,4 +1101,72 @@ pub fn replay_args(target: Target) {
         }
     }
     eprintln!("{n} inputs ran without a crash");
+}
+
+// ---------------------------------------------------------------------------------------------
+// http1_wire: what clients and the app send the HTTP/1.1 fast path.
+// ---------------------------------------------------------------------------------------------
+
+/// The input as a client's bytes (a request head and body) and as the app's (a response head
+/// and body), through the fast path's scanners and encoders:
+///
+/// - a scanned request stays within the input, and once its head is built and encoded for the
+///   app it scans again to the same method, target and headers;
+/// - a scanned response stays within the input, its head re-encoded for the client scans to
+///   the same status and framing, and the body tracker never takes more bytes than it is given;
+/// - a chunked body fed in two pieces ends where it ends when fed whole.
+pub fn http1_wire(data: &[u8]) {
+    use tollgate_sidecar::proxy::h1::FieldLines;
+    use tollgate_sidecar::proxy::h1::wire::{self, Body, Framing, Scan};
+
+    if let Scan::Complete(head) = wire::scan_request(data) {
+        assert!(head.len + head.body_len <= data.len());
+        let bytes = bytes::Bytes::copy_from_slice(&data[..head.len]);
+        if let Some(parts) = head.parts(&bytes) {
+            let body = &data[head.len..head.len + head.body_len];
+            let mut out = Vec::new();
+            wire::encode_request(&mut out, &parts, body);
+            let Scan::Complete(again) = wire::scan_request(&out) else {
+                panic!("an encoded request does not scan: {:?}", String::from_utf8_lossy(&out));
+            };
+            let again_bytes = bytes::Bytes::copy_from_slice(&out[..again.len]);
+            let reparsed = again.parts(&again_bytes).expect("an encoded request builds");
+            assert_eq!(reparsed.method, parts.method);
+            assert_eq!(reparsed.headers, parts.headers);
+            assert_eq!(again.body_len, head.body_len);
+        }
+    }
+    for head_only in [false, true] {
+        let Scan::Complete(head) = wire::scan_response(data, head_only) else {
+            continue;
+        };
+        assert!(head.len <= data.len());
+        let mut out = Vec::new();
+        wire::encode_response_head(&mut out, data, &head, &FieldLines::default(), false);
+        let Scan::Complete(again) = wire::scan_response(&out, head_only) else {
+            panic!("an encoded response does not scan: {:?}", String::from_utf8_lossy(&out));
+        };
+        assert_eq!(again.status, head.status);
+        assert_eq!(again.framing, head.framing);
+        let rest = &data[head.len..];
+        if let Ok((taken, _)) = Body::new(head.framing).take(rest) {
+            assert!(taken <= rest.len());
+        }
+    }
+    let whole = Body::new(Framing::Chunked).take(data);
+    let split = data.first().map_or(0, |&b| usize::from(b) % (data.len() + 1));
+    let mut body = Body::new(Framing::Chunked);
+    let pieces = body.take(&data[..split]).and_then(|(a, done)| {
+        if done {
+            Ok((a, true))
+        } else {
+            body.take(&data[split..]).map(|(b, done)| (split + b, done))
+        }
+    });
+    match (whole, pieces) {
+        (Ok((w, true)), Ok((p, true))) => assert_eq!(w, p, "split at {split}"),
+        (Ok((w, false)), Ok((p, false))) => assert_eq!((w, p), (data.len(), data.len())),
+        (Err(_), Err(_)) => {}
+        (w, p) => panic!("whole {w:?} vs split at {split} {p:?}"),
+    }
 }

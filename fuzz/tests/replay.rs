@@ -208,6 +208,11 @@ fn lease_reply() {
     replay("lease_reply");
 }
 
+#[test]
+fn http1_wire() {
+    replay("http1_wire");
+}
+
 /// Corpora stay small enough to check in and to replay in seconds: `minimize.sh` keeps corpus
 /// and seeds together at 200 files at most.
 #[test]

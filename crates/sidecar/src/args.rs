@@ -87,8 +87,8 @@ pub struct RunArgs {
     pub shadow_header: bool,
 
     /// Serve plain keep-alive HTTP/1.1 requests on the lean single-task path (hyper still
-    /// serves HTTP/2, upgrades, streamed request bodies, and everything while tracing is on).
-    /// `false` sends all traffic through hyper.
+    /// serves HTTP/2, upgrades and streamed request bodies). `false` sends all traffic through
+    /// hyper.
     #[arg(long, env = "TOLLGATE_FAST_HTTP1", default_value_t = true, action = clap::ArgAction::Set)]
     pub fast_http1: bool,
 

@@ -5,10 +5,9 @@
 //! peer appended. Upstream failures map to 502 (connect) and 504 (timeout), never to 429.
 //!
 //! Plain HTTP/1.1 keep-alive traffic takes the fast path in [`h1`]; hyper serves the rest
-//! (HTTP/2, upgrades, streamed request bodies, malformed heads) and every connection while
-//! tracing is on.
+//! (HTTP/2, upgrades, streamed request bodies, malformed heads).
 
-mod h1;
+pub mod h1;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -119,9 +118,7 @@ pub async fn serve(
     // shutdown by the header read timeout.
     let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
     let head_timeout = shared.config.header_read_timeout;
-    // The fast path does not create spans or propagate trace context: with tracing on, hyper
-    // serves every request.
-    let fast_path = shared.config.fast_http1 && !telemetry::enabled();
+    let fast_path = shared.config.fast_http1;
     tokio::pin!(shutdown);
     loop {
         tokio::select! {

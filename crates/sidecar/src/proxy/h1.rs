@@ -39,9 +39,11 @@ use tokio::time::{Instant, Sleep};
 use super::Proxy;
 use crate::response::{self, FieldSink};
 use crate::rules::{Outcome, RuleSet, Verdict};
+use crate::telemetry;
 use tollgate_limiter::Clock;
+use tracing::Instrument;
 
-mod wire;
+pub mod wire;
 
 use wire::{AppHead, Body, Framing, RequestHead, Scan};
 
@@ -121,6 +123,8 @@ struct Connection<'p> {
     app_deadline: Deadline,
     stopping: watch::Receiver<bool>,
     max_head: usize,
+    /// The status of the last response written (for its span).
+    status: u16,
 }
 
 /// This client connection's connection to the app, and what was read from it.
@@ -158,6 +162,7 @@ impl<'p> Connection<'p> {
             app_deadline: Deadline::new(proxy.config.upstream_timeout),
             stopping,
             max_head: proxy.config.max_header_bytes.max(8192),
+            status: 0,
         }
     }
 
@@ -221,13 +226,31 @@ impl<'p> Connection<'p> {
         }
     }
 
-    /// Decides one request and answers it. False when the connection is to close.
+    /// Decides one request and answers it, in a span of its own when tracing is on. False when
+    /// the connection is to close.
     async fn exchange(&mut self, req: Incoming) -> bool {
+        if !telemetry::enabled() {
+            return self.decide_and_answer(req, None).await;
+        }
+        let parts = &req.parts;
+        let span = telemetry::request_span(&parts.method, parts.uri.path(), &parts.headers);
+        let keep_open = self
+            .decide_and_answer(req, Some(&span))
+            .instrument(span.clone())
+            .await;
+        span.record("http.response.status_code", self.status);
+        keep_open
+    }
+
+    async fn decide_and_answer(&mut self, req: Incoming, span: Option<&tracing::Span>) -> bool {
         let proxy = self.proxy;
         let rules = proxy.engine.rules.load_full();
         let verdict = proxy.engine.decide(&rules, &req.parts, &self.peer).await;
+        if let Some(span) = span {
+            super::record_decision(span, &rules, &verdict);
+        }
         match verdict.outcome() {
-            Outcome::Admit => self.forward(&rules, verdict, req).await,
+            Outcome::Admit => self.forward(&rules, verdict, req, span).await,
             Outcome::Unavailable(ri) => {
                 let seed = super::rejection_seed(&rules, &verdict, &req.parts, &self.peer);
                 let resp = response::unavailable(&rules, &verdict, ri, seed);
@@ -235,7 +258,7 @@ impl<'p> Connection<'p> {
             }
             Outcome::Reject(rejection) => {
                 let seed = super::rejection_seed(&rules, &verdict, &req.parts, &self.peer);
-                super::audit_rejection(proxy, &rules, rejection, &req.parts, &self.peer, None);
+                super::audit_rejection(proxy, &rules, rejection, &req.parts, &self.peer, span);
                 self.reject(&rules, &verdict, seed, req.close).await
             }
         }
@@ -258,6 +281,7 @@ impl<'p> Connection<'p> {
             return false;
         }
         let status = StatusCode::TOO_MANY_REQUESTS;
+        self.status = status.as_u16();
         wire::encode_made_here(&mut self.out, status, &self.fields, &self.body, closing);
         self.client.write_all(&self.out).await.is_ok() && !closing
     }
@@ -266,6 +290,7 @@ impl<'p> Connection<'p> {
     /// close.
     async fn answer_locally(&mut self, resp: &Response<Bytes>, close: bool) -> bool {
         let closing = close || self.stopping();
+        self.status = resp.status().as_u16();
         wire::encode_local(&mut self.out, resp, closing);
         self.client.write_all(&self.out).await.is_ok() && !closing
     }
@@ -273,12 +298,21 @@ impl<'p> Connection<'p> {
     /// An admitted request: shaped, sent to the app within the upstream timeout, and its
     /// response (or the app's failure as 502/504) relayed with the RateLimit fields. The
     /// verdict's concurrency permits are held until the response body has been relayed.
-    async fn forward(&mut self, rules: &RuleSet, verdict: Verdict, mut req: Incoming) -> bool {
+    async fn forward(
+        &mut self,
+        rules: &RuleSet,
+        verdict: Verdict,
+        mut req: Incoming,
+        span: Option<&tracing::Span>,
+    ) -> bool {
         if verdict.delay > 0 {
             tokio::time::sleep(Duration::from_nanos(verdict.delay)).await;
         }
         let proxy = self.proxy;
         super::prepare_upstream(&mut req.parts, &self.peer, self.peer_ip.clone(), proxy);
+        if let Some(span) = span {
+            telemetry::inject(span, &mut req.parts.headers);
+        }
         wire::encode_request(&mut self.out, &req.parts, &req.body);
         let head_only = req.parts.method == Method::HEAD;
         let t0 = proxy.engine.clock.now();
@@ -311,17 +345,16 @@ impl<'p> Connection<'p> {
     async fn ask_app(&mut self, idempotent: bool, head_only: bool) -> Result<AppHead, AppFailure> {
         self.app_deadline.restart();
         let addr = self.proxy.upstream.addr();
-        let timed_out = tokio::select! {
+        let answer = tokio::select! {
             biased;
-            answer = ask(&mut self.app, &self.out, addr, idempotent, head_only) => {
-                return answer.inspect_err(|_| self.app = None);
-            }
-            () = self.app_deadline.expired() => true,
+            answer = ask(&mut self.app, &self.out, addr, idempotent, head_only) => answer,
+            () = self.app_deadline.expired() => Err(AppFailure::Timeout),
         };
-        // The app may still answer this request later: its connection cannot be reused.
-        self.app = None;
-        debug_assert!(timed_out);
-        Err(AppFailure::Timeout)
+        if answer.is_err() {
+            // Broken, or the app may still answer this request later: never reused.
+            self.app = None;
+        }
+        answer
     }
 
     /// Writes the app's response to the client: its head with this sidecar's changes, then its
@@ -343,6 +376,7 @@ impl<'p> Connection<'p> {
         let Some(app) = self.app.as_mut() else {
             return false;
         };
+        self.status = head.status;
         wire::encode_response_head(&mut self.out, &app.input, head, &self.fields, closing);
         app.input.advance(head.len);
         let mut body = Body::new(head.framing);
@@ -472,7 +506,7 @@ async fn relay_body(
     body: &mut Body,
     out: &mut Vec<u8>,
 ) -> Result<bool, ()> {
-    let (taken, mut done) = body.take(&app.input)?;
+    let (taken, mut done) = body.take(&app.input).map_err(|_| ())?;
     out.extend_from_slice(&app.input[..taken]);
     app.input.advance(taken);
     client.write_all(out).await.map_err(|_| ())?;
@@ -485,7 +519,7 @@ async fn relay_body(
             _ if body.ends_at_close() => return Ok(false),
             _ => return Err(()),
         }
-        let (taken, end) = body.take(&app.input)?;
+        let (taken, end) = body.take(&app.input).map_err(|_| ())?;
         client
             .write_all(&app.input[..taken])
             .await
@@ -499,7 +533,7 @@ async fn relay_body(
 /// The fields this sidecar adds to a response, encoded as header lines, and their names (the
 /// app's own lines with those names are dropped, as `HeaderMap::insert` replaced them).
 #[derive(Default)]
-pub(super) struct FieldLines {
+pub struct FieldLines {
     lines: Vec<u8>,
     names: SmallVec<[HeaderName; 4]>,
 }

@@ -1,5 +1,6 @@
 //! HTTP/1.1 on the wire for the fast path: scanning heads (`httparse`), body framing, and
-//! encoding heads. Pure functions over byte buffers, so each rule is unit-tested here.
+//! encoding heads. Pure functions over byte buffers, so each rule is unit-tested here (and
+//! public for the fuzz target `http1_wire`).
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -16,13 +17,13 @@ use super::FieldLines;
 /// Most header lines parsed (hyper's default; a longer head goes to hyper, which answers 431).
 const MAX_HEADERS: usize = 100;
 /// Largest app response head accepted (hyper's client allowed about as much); beyond: 502.
-pub(super) const MAX_APP_HEAD: usize = 64 * 1024;
+pub const MAX_APP_HEAD: usize = 64 * 1024;
 
 /// A header line's name and value, as ranges of the buffer it was scanned from.
 type Line = (Range<usize>, Range<usize>);
 
 /// The result of scanning a buffer for a head.
-pub(super) enum Scan<T> {
+pub enum Scan<T> {
     Complete(T),
     /// Not all there yet.
     Partial,
@@ -31,7 +32,7 @@ pub(super) enum Scan<T> {
 }
 
 /// A request head this path serves, with its body already buffered behind it.
-pub(super) struct RequestHead {
+pub struct RequestHead {
     pub len: usize,
     pub body_len: usize,
     pub close: bool,
@@ -41,7 +42,7 @@ pub(super) struct RequestHead {
 }
 
 /// Scans `input` for a request head this path can serve.
-pub(super) fn scan_request(input: &[u8]) -> Scan<RequestHead> {
+pub fn scan_request(input: &[u8]) -> Scan<RequestHead> {
     let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut lines);
     let len = match req.parse(input) {
@@ -119,7 +120,7 @@ impl RequestHead {
 
 /// How a response body ends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Framing {
+pub enum Framing {
     /// No body (HEAD, 204, 304, `Content-Length: 0`).
     Empty,
     Length(u64),
@@ -129,7 +130,7 @@ pub(super) enum Framing {
 }
 
 /// An app response head.
-pub(super) struct AppHead {
+pub struct AppHead {
     pub len: usize,
     pub status: u16,
     /// A 1xx other than 101: skipped, the real response follows.
@@ -146,7 +147,7 @@ pub(super) struct AppHead {
 
 /// Scans `input` for the app's response head. `head_only`: the request was HEAD, so the
 /// response has no body whatever its headers say. `HandOff` here means a broken response.
-pub(super) fn scan_response(input: &[u8], head_only: bool) -> Scan<AppHead> {
+pub fn scan_response(input: &[u8], head_only: bool) -> Scan<AppHead> {
     let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut resp = httparse::Response::new(&mut lines);
     let len = match resp.parse(input) {
@@ -250,7 +251,7 @@ fn is_hop_by_hop(name: &[u8]) -> bool {
 /// Encodes the response to the client: the app's status and headers minus hop-by-hop lines
 /// and those `fields` replaces, then `fields`, a `Date` if the app sent none (as hyper adds),
 /// and `Connection: close` when this connection ends after the response.
-pub(super) fn encode_response_head(
+pub fn encode_response_head(
     out: &mut Vec<u8>,
     input: &[u8],
     head: &AppHead,
@@ -273,7 +274,7 @@ pub(super) fn encode_response_head(
 
 /// Encodes the request to the app: origin-form target, HTTP/1.1, `parts`' headers (already
 /// prepared for the app), then the body.
-pub(super) fn encode_request(out: &mut Vec<u8>, parts: &Parts, body: &[u8]) {
+pub fn encode_request(out: &mut Vec<u8>, parts: &Parts, body: &[u8]) {
     out.clear();
     out.extend_from_slice(parts.method.as_str().as_bytes());
     out.push(b' ');
@@ -288,7 +289,7 @@ pub(super) fn encode_request(out: &mut Vec<u8>, parts: &Parts, body: &[u8]) {
 }
 
 /// Encodes a response made here, with `Content-Length` and `Date` as hyper adds them.
-pub(super) fn encode_local(out: &mut Vec<u8>, resp: &Response<Bytes>, closing: bool) {
+pub fn encode_local(out: &mut Vec<u8>, resp: &Response<Bytes>, closing: bool) {
     out.clear();
     push_status_line(out, resp.status().as_u16(), b"");
     for (name, value) in resp.headers() {
@@ -311,7 +312,7 @@ pub(super) fn encode_local(out: &mut Vec<u8>, resp: &Response<Bytes>, closing: b
 }
 
 /// Encodes a response made here from its parts: `fields` (all its header lines) and `body`.
-pub(super) fn encode_made_here(
+pub fn encode_made_here(
     out: &mut Vec<u8>,
     status: StatusCode,
     fields: &FieldLines,
@@ -354,7 +355,7 @@ fn finish_head(out: &mut Vec<u8>, date: bool, closing: bool) {
     out.extend_from_slice(b"\r\n");
 }
 
-pub(super) fn push_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+pub fn push_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
     out.extend_from_slice(b": ");
     out.extend_from_slice(value);
@@ -379,15 +380,19 @@ fn push_date(out: &mut Vec<u8>) {
 
 /// Methods a request can be repeated with (RFC 9110 §9.2.2): the only ones resent on a fresh
 /// app connection when a kept one closed under the request.
-pub(super) fn is_idempotent(method: &Method) -> bool {
+pub fn is_idempotent(method: &Method) -> bool {
     matches!(
         *method,
         Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
     )
 }
 
+/// A chunked body whose framing is broken: the relay stops and the connection closes.
+#[derive(Debug, PartialEq, Eq)]
+pub struct BrokenFraming;
+
 /// Tracks where a response body ends while its bytes are relayed as they are.
-pub(super) struct Body {
+pub struct Body {
     framing: Framing,
     left: u64,
     chunks: Chunks,
@@ -407,8 +412,8 @@ impl Body {
     }
 
     /// How many bytes at the start of `buf` belong to the body, and whether the body ends
-    /// there. Err for broken chunked framing.
-    pub fn take(&mut self, buf: &[u8]) -> Result<(usize, bool), ()> {
+    /// there.
+    pub fn take(&mut self, buf: &[u8]) -> Result<(usize, bool), BrokenFraming> {
         match self.framing {
             Framing::Empty => Ok((0, true)),
             Framing::UntilClose => Ok((buf.len(), false)),
@@ -453,7 +458,7 @@ enum ChunkState {
 
 impl Chunks {
     /// Feeds the next bytes; Some(position after the body's last byte) once it ends.
-    fn feed(&mut self, buf: &[u8]) -> Result<Option<usize>, ()> {
+    fn feed(&mut self, buf: &[u8]) -> Result<Option<usize>, BrokenFraming> {
         let mut i = 0;
         while i < buf.len() {
             if self.state == ChunkState::Data {
@@ -475,12 +480,12 @@ impl Chunks {
     }
 
     /// One byte outside chunk data; true when it ends the body.
-    fn step(&mut self, b: u8) -> Result<bool, ()> {
+    fn step(&mut self, b: u8) -> Result<bool, BrokenFraming> {
         use ChunkState::*;
         self.state = match (self.state, b) {
             (Size, _) if b.is_ascii_hexdigit() => {
                 if self.digits >= 15 {
-                    return Err(());
+                    return Err(BrokenFraming);
                 }
                 self.digits += 1;
                 self.size = self.size * 16 + u64::from((b as char).to_digit(16).unwrap_or(0));
@@ -499,7 +504,7 @@ impl Chunks {
             (TrailerStart | FinalLf, b'\n') => return Ok(true),
             (Trailer, b'\n') => TrailerStart,
             (TrailerStart | Trailer, _) => Trailer,
-            _ => return Err(()),
+            _ => return Err(BrokenFraming),
         };
         Ok(false)
     }
