@@ -70,18 +70,14 @@ pub fn scan_request(input: &[u8]) -> Scan<RequestHead> {
     let mut length = None;
     for line in req.headers.iter() {
         let name = line.name.as_bytes();
-        if name.eq_ignore_ascii_case(b"content-length") {
-            match (length, parse_length(line.value)) {
+        match known(name) {
+            Known::ContentLength => match (length, parse_length(line.value)) {
                 (None, Some(n)) => length = Some(n),
                 _ => return Scan::HandOff,
-            }
-        } else if name.eq_ignore_ascii_case(b"transfer-encoding")
-            || name.eq_ignore_ascii_case(b"upgrade")
-            || name.eq_ignore_ascii_case(b"expect")
-        {
-            return Scan::HandOff;
-        } else if name.eq_ignore_ascii_case(b"connection") && has_token(line.value, "close") {
-            head.close = true;
+            },
+            Known::TransferEncoding | Known::Upgrade | Known::Expect => return Scan::HandOff,
+            Known::Connection => head.close |= has_token(line.value, "close"),
+            Known::Date | Known::Other => {}
         }
         head.lines
             .push((offset(input, name), offset(input, line.value)));
@@ -103,7 +99,8 @@ impl RequestHead {
     /// let through (an invalid URI, say).
     pub fn parts(&self, head: &Bytes) -> Option<Parts> {
         let uri = Uri::from_maybe_shared(head.slice(self.target.clone())).ok()?;
-        let mut headers = HeaderMap::with_capacity(self.lines.len());
+        // Room for what `prepare_upstream` adds (`X-Forwarded-For`, `Host`), so it never grows.
+        let mut headers = HeaderMap::with_capacity(self.lines.len() + 2);
         for (name, value) in &self.lines {
             let name = HeaderName::from_bytes(&head[name.clone()]).ok()?;
             let value = HeaderValue::from_maybe_shared(head.slice(value.clone())).ok()?;
@@ -176,22 +173,22 @@ pub fn scan_response(input: &[u8], head_only: bool) -> Scan<AppHead> {
     let (mut length, mut chunked) = (None, None);
     for line in resp.headers.iter() {
         let name = line.name.as_bytes();
-        if name.eq_ignore_ascii_case(b"content-length") {
-            match (length, parse_length(line.value)) {
+        match known(name) {
+            Known::ContentLength => match (length, parse_length(line.value)) {
                 (_, None) => return Scan::HandOff,
                 (Some(a), Some(b)) if a != b => return Scan::HandOff,
                 (_, n) => length = n,
+            },
+            Known::TransferEncoding => chunked = Some(last_token_is(line.value, "chunked")),
+            Known::Connection => {
+                head.app_closes |= has_token(line.value, "close");
+                if version == 0 && has_token(line.value, "keep-alive") {
+                    head.app_closes = false;
+                }
+                head.connection.push(offset(input, line.value));
             }
-        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
-            chunked = Some(last_token_is(line.value, "chunked"));
-        } else if name.eq_ignore_ascii_case(b"connection") {
-            head.app_closes |= has_token(line.value, "close");
-            if version == 0 && has_token(line.value, "keep-alive") {
-                head.app_closes = false;
-            }
-            head.connection.push(offset(input, line.value));
-        } else if name.eq_ignore_ascii_case(b"date") {
-            head.has_date = true;
+            Known::Date => head.has_date = true,
+            Known::Upgrade | Known::Expect | Known::Other => {}
         }
         head.lines
             .push((offset(input, name), offset(input, line.value)));
@@ -261,15 +258,37 @@ pub fn encode_response_head(
     out.clear();
     let reason = &input[head.reason.clone()];
     push_status_line(out, head.status, reason);
-    for (name, value) in &head.lines {
-        let name = &input[name.clone()];
+    // Lines kept as the app wrote them are copied in runs: one copy for consecutive lines.
+    let mut run: Option<Range<usize>> = None;
+    for (name_at, value_at) in &head.lines {
+        let name = &input[name_at.clone()];
         if is_hop_by_hop(name) || head.named_by_connection(input, name) || fields.sets(name) {
+            flush_run(out, input, &mut run);
             continue;
         }
-        push_header(out, name, &input[value.clone()]);
+        let line_end = value_at.end + 2;
+        let whole_line = !value_at.is_empty() && input.get(value_at.end..line_end) == Some(b"\r\n");
+        match &mut run {
+            Some(r) if whole_line && r.end == name_at.start => r.end = line_end,
+            _ if whole_line => {
+                flush_run(out, input, &mut run);
+                run = Some(name_at.start..line_end);
+            }
+            _ => {
+                flush_run(out, input, &mut run);
+                push_header(out, name, &input[value_at.clone()]);
+            }
+        }
     }
+    flush_run(out, input, &mut run);
     out.extend_from_slice(&fields.lines);
     finish_head(out, !head.has_date, closing);
+}
+
+fn flush_run(out: &mut Vec<u8>, input: &[u8], run: &mut Option<Range<usize>>) {
+    if let Some(r) = run.take() {
+        out.extend_from_slice(&input[r]);
+    }
 }
 
 /// Encodes the request to the app: origin-form target, HTTP/1.1, `parts`' headers (already
@@ -515,6 +534,31 @@ impl Chunks {
         } else {
             ChunkState::Data
         }
+    }
+}
+
+/// The header names this path acts on.
+enum Known {
+    ContentLength,
+    TransferEncoding,
+    Connection,
+    Upgrade,
+    Expect,
+    Date,
+    Other,
+}
+
+/// Recognised by length first: most names are none of these and cost one comparison.
+fn known(name: &[u8]) -> Known {
+    let is = |known: &[u8]| name.eq_ignore_ascii_case(known);
+    match name.len() {
+        4 if is(b"date") => Known::Date,
+        6 if is(b"expect") => Known::Expect,
+        7 if is(b"upgrade") => Known::Upgrade,
+        10 if is(b"connection") => Known::Connection,
+        14 if is(b"content-length") => Known::ContentLength,
+        17 if is(b"transfer-encoding") => Known::TransferEncoding,
+        _ => Known::Other,
     }
 }
 
