@@ -116,6 +116,16 @@ impl RuleSet {
                     }
                     (Scope::Local, _) => None,
                 };
+                // Rule names go into response fields as they are (the HTTP/1 fast path writes
+                // them without a HeaderValue check): compile() allows only DNS labels, and a rule
+                // set from anywhere else (the controller's stream) is held to the same.
+                let label = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-';
+                if rule.name.is_empty() || !rule.name.bytes().all(label) {
+                    return Err(format!(
+                        "{}: rule name {:?} is not a DNS label",
+                        rule.id, rule.name
+                    ));
+                }
                 let policy_item = policy_item(rule);
                 let blocks = (rule.limit.block_for_ms > 0).then(|| {
                     previous
@@ -896,6 +906,29 @@ mod tests {
             ..CompiledCost::default()
         };
         assert_eq!(request_cost(&cost, &parts), 1);
+    }
+
+    /// A streamed rule set is not re-compiled: a rule name that could break a header line
+    /// (the fast path writes names into responses as they are) refuses the whole set.
+    #[test]
+    fn a_rule_name_that_is_not_a_dns_label_refuses_the_set() {
+        let yaml = "apiVersion: tollgate.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: p, \
+                    namespace: ns}\nspec:\n  targetRef: {selector: {}}\n  rules:\n  - name: r\n    \
+                    limit: {requests: 2, period: 1m}\n";
+        let mut policy = tollgate_crd::parse_yaml_documents(yaml).unwrap()[0]
+            .compile()
+            .unwrap();
+        policy.rules[0].name = "r\r\nx-injected: 1".into();
+        let built = RuleSet::build(
+            1,
+            vec![policy],
+            None,
+            &StoreConfig::default(),
+            &Metrics::new(),
+            None,
+        );
+        let err = built.err().expect("a name with CR LF was accepted");
+        assert!(err.contains("is not a DNS label"), "{err}");
     }
 
     fn descriptor_request(entries: &[(&str, &str)]) -> Parts {

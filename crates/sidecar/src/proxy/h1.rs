@@ -242,7 +242,7 @@ impl<'p> Connection<'p> {
         keep_open
     }
 
-    async fn decide_and_answer(&mut self, req: Incoming, span: Option<&tracing::Span>) -> bool {
+    async fn decide_and_answer(&mut self, mut req: Incoming, span: Option<&tracing::Span>) -> bool {
         let proxy = self.proxy;
         let rules = proxy.engine.rules.load_full();
         let verdict = proxy.engine.decide(&rules, &req.parts, &self.peer).await;
@@ -250,7 +250,7 @@ impl<'p> Connection<'p> {
             super::record_decision(span, &rules, &verdict);
         }
         match verdict.outcome() {
-            Outcome::Admit => self.forward(&rules, verdict, req, span).await,
+            Outcome::Admit => self.forward(&rules, &verdict, &mut req, span).await,
             Outcome::Unavailable(ri) => {
                 let seed = super::rejection_seed(&rules, &verdict, &req.parts, &self.peer);
                 let resp = response::unavailable(&rules, &verdict, ri, seed);
@@ -301,8 +301,8 @@ impl<'p> Connection<'p> {
     async fn forward(
         &mut self,
         rules: &RuleSet,
-        verdict: Verdict,
-        mut req: Incoming,
+        verdict: &Verdict,
+        req: &mut Incoming,
         span: Option<&tracing::Span>,
     ) -> bool {
         if verdict.delay > 0 {
@@ -325,7 +325,7 @@ impl<'p> Connection<'p> {
         let head = match answer {
             Ok(head) => head,
             Err(failure) => {
-                let resp = super::upstream_failure(proxy, rules, &verdict, failure.is_timeout());
+                let resp = super::upstream_failure(proxy, rules, verdict, failure.is_timeout());
                 return self.answer_locally(&resp, req.close).await;
             }
         };
@@ -336,7 +336,7 @@ impl<'p> Connection<'p> {
             let now = proxy.engine.clock.now();
             rules.settle(&verdict.settlements, head.status, &headers, now);
         }
-        self.relay(rules, &verdict, &head, req.close).await
+        self.relay(rules, verdict, &head, req.close).await
     }
 
     /// Sends the encoded request and reads the app's response head, within the upstream
@@ -553,10 +553,9 @@ impl FieldLines {
 
 impl FieldSink for FieldLines {
     fn set(&mut self, name: &HeaderName, value: &[u8]) {
-        // What HeaderValue refuses: control characters other than tab (no CR, no LF).
-        if value.iter().any(|&b| (b < 0x20 && b != b'\t') || b == 0x7f) {
-            return;
-        }
+        // Values come from `response`: numbers, base64 and compiled rule names (`[a-z0-9-]`,
+        // checked when the policy compiles), so they hold no CR or LF to check for here.
+        debug_assert!(HeaderValue::from_bytes(value).is_ok(), "{value:?}");
         if !self.names.contains(name) {
             self.names.push(name.clone());
         }

@@ -3,6 +3,7 @@
 //! public for the fuzz target `http1_wire`).
 
 use std::cell::RefCell;
+use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -19,8 +20,23 @@ const MAX_HEADERS: usize = 100;
 /// Largest app response head accepted (hyper's client allowed about as much); beyond: 502.
 pub const MAX_APP_HEAD: usize = 64 * 1024;
 
-/// A header line's name and value, as ranges of the buffer it was scanned from.
-type Line = (Range<usize>, Range<usize>);
+/// Where a part of a head lies in the buffer it was scanned from. Half the size of a
+/// `Range<usize>`: heads move through several async frames per request, and their line
+/// tables were the largest part of what each move copied.
+#[derive(Clone, Copy, Debug, Default)]
+struct Span {
+    start: u32,
+    end: u32,
+}
+
+impl Span {
+    fn range(self) -> Range<usize> {
+        self.start as usize..self.end as usize
+    }
+}
+
+/// A header line's name and value.
+type Line = (Span, Span);
 
 /// The result of scanning a buffer for a head.
 pub enum Scan<T> {
@@ -37,15 +53,16 @@ pub struct RequestHead {
     pub body_len: usize,
     pub close: bool,
     method: Method,
-    target: Range<usize>,
+    target: Span,
     lines: SmallVec<[Line; 16]>,
 }
 
 /// Scans `input` for a request head this path can serve.
 pub fn scan_request(input: &[u8]) -> Scan<RequestHead> {
-    let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut req = httparse::Request::new(&mut lines);
-    let len = match req.parse(input) {
+    // Uninitialised: zeroing 100 slots (3.2 KB) per head cost more than parsing a short one.
+    let mut lines = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut []);
+    let len = match req.parse_with_uninit_headers(input, &mut lines) {
         Ok(httparse::Status::Complete(len)) => len,
         Ok(httparse::Status::Partial) => return Scan::Partial,
         Err(_) => return Scan::HandOff,
@@ -98,12 +115,12 @@ impl RequestHead {
     /// `head` (the buffer scanned), not copies. None for what `http` refuses and `httparse`
     /// let through (an invalid URI, say).
     pub fn parts(&self, head: &Bytes) -> Option<Parts> {
-        let uri = Uri::from_maybe_shared(head.slice(self.target.clone())).ok()?;
+        let uri = Uri::from_maybe_shared(head.slice(self.target.range())).ok()?;
         // Room for what `prepare_upstream` adds (`X-Forwarded-For`, `Host`), so it never grows.
         let mut headers = HeaderMap::with_capacity(self.lines.len() + 2);
         for (name, value) in &self.lines {
-            let name = HeaderName::from_bytes(&head[name.clone()]).ok()?;
-            let value = HeaderValue::from_maybe_shared(head.slice(value.clone())).ok()?;
+            let name = HeaderName::from_bytes(&head[name.range()]).ok()?;
+            let value = HeaderValue::from_maybe_shared(head.slice(value.range())).ok()?;
             headers.append(name, value);
         }
         let (mut parts, ()) = Request::new(()).into_parts();
@@ -136,18 +153,20 @@ pub struct AppHead {
     /// The app will close its connection after this response.
     pub app_closes: bool,
     has_date: bool,
-    reason: Range<usize>,
+    reason: Span,
     lines: SmallVec<[Line; 16]>,
     /// The values of its `Connection` lines: the headers they name are hop-by-hop too.
-    connection: SmallVec<[Range<usize>; 1]>,
+    connection: SmallVec<[Span; 1]>,
 }
 
 /// Scans `input` for the app's response head. `head_only`: the request was HEAD, so the
 /// response has no body whatever its headers say. `HandOff` here means a broken response.
 pub fn scan_response(input: &[u8], head_only: bool) -> Scan<AppHead> {
-    let mut lines = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut resp = httparse::Response::new(&mut lines);
-    let len = match resp.parse(input) {
+    let mut lines = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut []);
+    let parsed = httparse::ParserConfig::default()
+        .parse_response_with_uninit_headers(&mut resp, input, &mut lines);
+    let len = match parsed {
         Ok(httparse::Status::Complete(len)) => len,
         Ok(httparse::Status::Partial) => return Scan::Partial,
         Err(_) => return Scan::HandOff,
@@ -212,8 +231,8 @@ impl AppHead {
         let mut map = HeaderMap::with_capacity(self.lines.len());
         for (name, value) in &self.lines {
             if let (Ok(n), Ok(v)) = (
-                HeaderName::from_bytes(&input[name.clone()]),
-                HeaderValue::from_bytes(&input[value.clone()]),
+                HeaderName::from_bytes(&input[name.range()]),
+                HeaderValue::from_bytes(&input[value.range()]),
             ) {
                 map.append(n, v);
             }
@@ -224,7 +243,7 @@ impl AppHead {
     /// `name` is listed in the app's `Connection` header.
     fn named_by_connection(&self, input: &[u8], name: &[u8]) -> bool {
         self.connection.iter().any(|v| {
-            input[v.clone()]
+            input[v.range()]
                 .split(|&b| b == b',')
                 .any(|t| t.trim_ascii().eq_ignore_ascii_case(name))
         })
@@ -256,11 +275,12 @@ pub fn encode_response_head(
     closing: bool,
 ) {
     out.clear();
-    let reason = &input[head.reason.clone()];
+    let reason = &input[head.reason.range()];
     push_status_line(out, head.status, reason);
     // Lines kept as the app wrote them are copied in runs: one copy for consecutive lines.
     let mut run: Option<Range<usize>> = None;
     for (name_at, value_at) in &head.lines {
+        let (name_at, value_at) = (name_at.range(), value_at.range());
         let name = &input[name_at.clone()];
         if is_hop_by_hop(name) || head.named_by_connection(input, name) || fields.sets(name) {
             flush_run(out, input, &mut run);
@@ -562,13 +582,16 @@ fn known(name: &[u8]) -> Known {
     }
 }
 
-/// The range of `part` within `base` (`httparse` hands out slices of the buffer it scanned).
-fn offset(base: &[u8], part: &[u8]) -> Range<usize> {
+/// Where `part` lies within `base` (`httparse` hands out slices of the buffer it scanned).
+/// Heads are far below 4 GiB (both are bounded by the head size limits).
+fn offset(base: &[u8], part: &[u8]) -> Span {
     let start = (part.as_ptr() as usize).wrapping_sub(base.as_ptr() as usize);
-    if part.is_empty() || start > base.len() {
-        return 0..0;
+    match (u32::try_from(start), u32::try_from(start + part.len())) {
+        (Ok(start), Ok(end)) if !part.is_empty() && (end as usize) <= base.len() => {
+            Span { start, end }
+        }
+        _ => Span::default(),
     }
-    start..start + part.len()
 }
 
 /// A `Content-Length` value: digits only (hyper refuses the rest with 400).
