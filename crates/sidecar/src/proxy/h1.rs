@@ -575,7 +575,7 @@ struct Deadline {
 
 impl Deadline {
     fn new(period: Duration) -> Deadline {
-        let at = Instant::now() + period;
+        let at = after(period);
         Deadline {
             at,
             period,
@@ -584,7 +584,7 @@ impl Deadline {
     }
 
     fn restart(&mut self) {
-        self.at = Instant::now() + self.period;
+        self.at = after(self.period);
     }
 
     /// Resolves once the current deadline has passed.
@@ -597,6 +597,14 @@ impl Deadline {
             self.timer.as_mut().reset(self.at);
         }
     }
+}
+
+/// `period` from now; for a period too long to add (a huge `--upstream-timeout`), about thirty
+/// years, as tokio's own timeouts fall back to a far future instead of overflowing.
+fn after(period: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(period)
+        .unwrap_or_else(|| now + Duration::from_secs(30 * 365 * 86_400))
 }
 
 /// A client connection handed to hyper: the bytes this path read but did not take come first.
