@@ -786,7 +786,9 @@ fn is_tchar(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
-fn is_dns_label(s: &str) -> bool {
+/// A rule name's form: a DNS label (lowercase letters, digits, inner '-', at most 63 bytes).
+/// Public so that the sidecar holds rule sets it did not compile (the controller's stream) to it.
+pub fn is_dns_label(s: &str) -> bool {
     let b = s.as_bytes();
     !b.is_empty()
         && b.len() <= 63

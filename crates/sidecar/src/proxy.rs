@@ -127,6 +127,7 @@ pub async fn serve(
                 let shared = Arc::clone(&shared);
                 // Formatted once per connection, cloned (a refcount) per request.
                 let peer_ip = HeaderValue::from_str(&peer.ip().to_string()).ok();
+                let fast_peer_ip = peer_ip.clone();
                 let service = hyper::service::service_fn(move |req| {
                     let shared = Arc::clone(&shared);
                     let peer_ip = peer_ip.clone();
@@ -153,7 +154,7 @@ pub async fn serve(
                         }
                     }
                     let io = match fast {
-                        Some(proxy) => match h1::serve(&proxy, stream, peer, stopping).await {
+                        Some(proxy) => match h1::serve(&proxy, stream, peer, fast_peer_ip, stopping).await {
                             Some(handed_off) => handed_off,
                             None => return,
                         },

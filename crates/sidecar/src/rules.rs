@@ -119,8 +119,7 @@ impl RuleSet {
                 // Rule names go into response fields as they are (the HTTP/1 fast path writes
                 // them without a HeaderValue check): compile() allows only DNS labels, and a rule
                 // set from anywhere else (the controller's stream) is held to the same.
-                let label = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-';
-                if rule.name.is_empty() || !rule.name.bytes().all(label) {
+                if !tollgate_crd::compile::is_dns_label(&rule.name) {
                     return Err(format!(
                         "{}: rule name {:?} is not a DNS label",
                         rule.id, rule.name

@@ -60,9 +60,10 @@ pub(super) async fn serve(
     proxy: &Proxy,
     client: TcpStream,
     peer: SocketAddr,
+    peer_ip: Option<HeaderValue>,
     stopping: watch::Receiver<bool>,
 ) -> Option<Prefixed> {
-    let mut conn = Connection::new(proxy, client, peer, stopping);
+    let mut conn = Connection::new(proxy, client, peer, peer_ip, stopping);
     loop {
         let keep_open = match conn.next_request().await {
             Next::Request(req) => conn.exchange(req).await,
@@ -146,13 +147,14 @@ impl<'p> Connection<'p> {
         proxy: &'p Proxy,
         client: TcpStream,
         peer: SocketAddr,
+        peer_ip: Option<HeaderValue>,
         stopping: watch::Receiver<bool>,
     ) -> Self {
         Connection {
             proxy,
             client,
             peer,
-            peer_ip: HeaderValue::from_str(&peer.ip().to_string()).ok(),
+            peer_ip,
             input: BytesMut::with_capacity(CLIENT_READ),
             out: Vec::new(),
             fields: FieldLines::default(),
