@@ -18,7 +18,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
 use tollgate_e2e::{
-    ControlPlane, Proc, Redis, Sidecar, app, free_port, install_crd_and_shop, k8sbin_dir,
+    ControlPlane, Proc, Redis, Sidecar, app, free_port, helm_offline, install_crd_and_shop,
     pod_with_token, prometheus_bin, repo_root, serial, start_controller,
 };
 
@@ -168,33 +168,17 @@ fn the_unit_tests_fail_when_an_alert_never_fires() {
 /// What is tested is what ships: the chart's PrometheusRule holds exactly the rule file's groups.
 #[test]
 fn the_chart_ships_the_tested_rule_file() {
-    let helm = k8sbin_dir().join("helm");
-    assert!(
-        helm.is_file(),
-        "{} is missing: build it with `tools/k8sbin/build.sh` (./tools/test-all.sh runs it)",
-        helm.display()
-    );
-    let home = tempfile::tempdir().unwrap();
-    let out = Command::new(helm)
-        .args([
-            "template",
-            "tollgate",
-            "charts/tollgate",
-            "--namespace",
-            "tollgate-system",
-            "--set",
-            "prometheusRule.enabled=true",
-            "--show-only",
-            "templates/prometheusrule.yaml",
-        ])
-        .current_dir(repo_root())
-        .env("HELM_CACHE_HOME", home.path().join("cache"))
-        .env("HELM_CONFIG_HOME", home.path().join("config"))
-        .env("HELM_DATA_HOME", home.path().join("data"))
-        .env_remove("KUBECONFIG")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run helm");
+    let out = helm_offline(&[
+        "template",
+        "tollgate",
+        "charts/tollgate",
+        "--namespace",
+        "tollgate-system",
+        "--set",
+        "prometheusRule.enabled=true",
+        "--show-only",
+        "templates/prometheusrule.yaml",
+    ]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

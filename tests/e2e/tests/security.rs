@@ -900,23 +900,7 @@ fn rule_streams_accept_only_a_pods_own_valid_token() {
 
 /// Renders the chart offline with `set`; Ok(manifest) or Err(stderr).
 fn helm_template(set: &str) -> Result<String, String> {
-    let bin = tollgate_e2e::k8sbin_dir().join("helm");
-    assert!(
-        bin.is_file(),
-        "{} is missing: build it with tools/k8sbin/build.sh (tools/test-all.sh does)",
-        bin.display()
-    );
-    let home = tempfile::tempdir().expect("temp dir");
-    let out = Command::new(bin)
-        .args(["template", "tollgate", CHART, "-n", NS, "--set", set])
-        .current_dir(repo_root())
-        .env("HELM_CACHE_HOME", home.path().join("cache"))
-        .env("HELM_CONFIG_HOME", home.path().join("config"))
-        .env("HELM_DATA_HOME", home.path().join("data"))
-        .env_remove("KUBECONFIG")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run helm");
+    let out = tollgate_e2e::helm_offline(&["template", "tollgate", CHART, "-n", NS, "--set", set]);
     if out.status.success() {
         Ok(text(&out.stdout))
     } else {
