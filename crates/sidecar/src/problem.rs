@@ -112,14 +112,19 @@ fn limit_words(rule: &CompiledRule) -> String {
 mod tests {
     use super::*;
 
-    /// The hand-written 429 body is exactly what serde_json builds, for any rule name.
-    #[test]
-    fn rejection_body_matches_serde_json() {
+    /// A compiled rule `r` of policy `ns/p`: 7 requests per 90 s.
+    fn sample_rule() -> CompiledRule {
         let yaml = "apiVersion: tollgate.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata:\n  \
                     name: p\n  namespace: ns\nspec:\n  targetRef:\n    selector: {}\n  \
                     rules:\n    - name: r\n      limit: {requests: 7, period: 90s}\n";
         let policy = &tollgate_crd::parse_yaml(yaml).unwrap()[0];
-        let mut rule = tollgate_crd::compile(policy).unwrap().rules[0].clone();
+        tollgate_crd::compile(policy).unwrap().rules[0].clone()
+    }
+
+    /// The hand-written 429 body is exactly what serde_json builds, for any rule name.
+    #[test]
+    fn rejection_body_matches_serde_json() {
+        let mut rule = sample_rule();
         for name in [
             "r",
             "per-key",
@@ -153,11 +158,7 @@ mod tests {
     /// A name holding the placeholder cannot be split: the body is rendered per rejection.
     #[test]
     fn an_ambiguous_template_falls_back_to_rendering() {
-        let yaml = "apiVersion: tollgate.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata:\n  \
-                    name: p\n  namespace: ns\nspec:\n  targetRef:\n    selector: {}\n  \
-                    rules:\n    - name: r\n      limit: {requests: 7, period: 90s}\n";
-        let policy = &tollgate_crd::parse_yaml(yaml).unwrap()[0];
-        let mut rule = tollgate_crd::compile(policy).unwrap().rules[0].clone();
+        let mut rule = sample_rule();
         rule.name = format!("r-{}", u64::MAX);
         let template = RejectionBody::new(&rule);
         assert!(template.parts.is_none());

@@ -881,6 +881,18 @@ fn policy_item(rule: &CompiledRule) -> bytes::Bytes {
 mod tests {
     use super::*;
 
+    /// A rule set of `policy` alone: no Redis, default store, fresh metrics.
+    fn local_set(policy: CompiledPolicy) -> Result<RuleSet, String> {
+        RuleSet::build(
+            1,
+            vec![policy],
+            None,
+            &StoreConfig::default(),
+            &Metrics::new(),
+            None,
+        )
+    }
+
     /// Found by fuzzing streamed rules, which are not re-validated by the sidecar.
     #[test]
     fn hostile_compiled_limits_do_not_panic() {
@@ -918,14 +930,7 @@ mod tests {
             .compile()
             .unwrap();
         policy.rules[0].name = "r\r\nx-injected: 1".into();
-        let built = RuleSet::build(
-            1,
-            vec![policy],
-            None,
-            &StoreConfig::default(),
-            &Metrics::new(),
-            None,
-        );
+        let built = local_set(policy);
         let err = built.err().expect("a name with CR LF was accepted");
         assert!(err.contains("is not a DNS label"), "{err}");
     }
@@ -970,15 +975,7 @@ spec:
         let policy = tollgate_crd::parse_yaml_documents(yaml).unwrap()[0]
             .compile()
             .unwrap();
-        let rules = RuleSet::build(
-            1,
-            vec![policy],
-            None,
-            &StoreConfig::default(),
-            &Metrics::new(),
-            None,
-        )
-        .unwrap();
+        let rules = local_set(policy).unwrap();
         let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
         let hasher = KeyHasher::random();
         let mut buf = Vec::new();

@@ -21,20 +21,6 @@ use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-fn roomy_policy() -> String {
-    policy(
-        "roomy",
-        "
-        rules:
-          - name: roomy
-            limit:
-              requests: 100000
-              period: 1m
-            scope: Local
-        ",
-    )
-}
-
 /// An app written on raw sockets, so each response is framed exactly as scripted by path:
 ///
 /// - `/length`: `Content-Length` body (and no body for HEAD);

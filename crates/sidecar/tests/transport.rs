@@ -19,21 +19,6 @@ use futures_util::{SinkExt, StreamExt};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// A policy that matches everything but never gets close to limiting the tests below.
-fn roomy_policy() -> String {
-    policy(
-        "roomy",
-        "
-        rules:
-          - name: roomy
-            limit:
-              requests: 100000
-              period: 1m
-            scope: Local
-        ",
-    )
-}
-
 const HUNDRED_MB: u64 = 100 * 1024 * 1024;
 /// How much the sidecar's RSS may grow while 100 MB pass through it.
 const MAX_RSS_GROWTH: u64 = 30 * 1024 * 1024;

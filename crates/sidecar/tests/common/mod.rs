@@ -89,6 +89,22 @@ pub fn dedent(s: &str) -> String {
         .join("\n")
 }
 
+/// A policy that matches every request and never gets close to limiting a test: for tests of
+/// what the proxy does with bytes.
+pub fn roomy_policy() -> String {
+    policy(
+        "roomy",
+        "
+        rules:
+          - name: roomy
+            limit:
+              requests: 100000
+              period: 1m
+            scope: Local
+        ",
+    )
+}
+
 /// A RateLimitPolicy document named `name` in namespace `test` selecting every pod, whose
 /// `spec` (after `targetRef`) is `spec` (any indentation; it is re-indented).
 pub fn policy(name: &str, spec: &str) -> String {
