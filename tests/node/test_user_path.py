@@ -268,7 +268,7 @@ def cgroup_memory(container_id):
 
 
 def test_measure_start_up_cost_and_sidecar_memory():
-    """The figures issue 14 asks for; printed as MEASURE lines (tools/node/run-tests.sh -s)."""
+    """Start-up cost and the sidecar's memory; printed as MEASURE lines (tools/node/run-tests.sh -s)."""
     plain = sorted(ready_after(bare_app_pod(f"plain-{i}", False), f"plain-{i}") for i in range(3))
     injected = sorted(ready_after(bare_app_pod(f"injected-{i}", True), f"injected-{i}") for i in range(3))
     print(f"MEASURE pod create -> Ready: without sidecar median {plain[1]:.2f}s {plain}, "
@@ -301,8 +301,7 @@ def test_per_key_policy_answers_429_through_the_service():
     admitted, elapsed = statuses.count(200), time.monotonic() - started
     # Burst 20 plus the refill at 100/min while the loop ran, shared by the 3 pods through the
     # dev Redis. A brand-new key right after the policy is applied was seen to admit 23 in
-    # 0.2 s (one extra token per sidecar from the first leases); the bound allows one per pod
-    # until that is tightened (issue 17).
+    # 0.2 s (one extra token per sidecar from the first leases); the bound allows one per pod.
     refill = int(elapsed * 100 / 60) + 1
     assert 19 <= admitted <= 20 + 3 + refill, (statuses, elapsed)
     assert set(statuses) <= {200, 429}, statuses
