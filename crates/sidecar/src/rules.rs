@@ -692,9 +692,14 @@ impl RuleSet {
             active.metrics.rejected.inc();
             if let Some(blocks) = &active.blocks {
                 // Requests during a block do not extend it: it ends `blockFor` after the first.
-                let block = blocks
-                    .remaining(key_hash, charge.now)
-                    .unwrap_or_else(|| blocks.block(key_hash, charge.now));
+                // A Global rule's block holds at every sidecar (kept with its lease, published
+                // to Redis once).
+                let block = match &active.global {
+                    Some(g) => g.block(key, charge.now),
+                    None => blocks
+                        .remaining(key_hash, charge.now)
+                        .unwrap_or_else(|| blocks.block(key_hash, charge.now)),
+                };
                 decision.retry_after = decision.retry_after.max(block);
                 decision.reset = decision.reset.max(block);
             }

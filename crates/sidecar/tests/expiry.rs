@@ -38,6 +38,7 @@ fn op(group: u32, id: u8, algorithm: u8, requests: u64, period_ms: u64, want: u6
         ahead_ms: 0,
         demand: 0,
         share_ms: 0,
+        ..LeaseOp::default()
     }
 }
 

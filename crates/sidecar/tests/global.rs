@@ -321,6 +321,7 @@ async fn redis_bytes_per_key(redis: &Redis, keys: u32, groups: u32) -> f64 {
             ahead_ms: 0,
             demand: 0,
             share_ms: 0,
+            ..LeaseOp::default()
         }
     };
     store
@@ -670,6 +671,61 @@ async fn a_global_bucket_of_burst_one_admits_its_token() {
                 assert_eq!(second.status(), 429, "{accuracy}: the second request of {key}");
             }
         }
+    })
+    .await;
+}
+
+/// `blockFor` on a Global rule blocks the key at every sidecar: a client that exceeded the
+/// limit through one pod is refused by the others too, after its bucket refilled, for the
+/// rest of the block. The block costs one Redis write, and a sidecar holding no lease for the
+/// key learns it with one lookup (exact mode and leases alike).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_for_on_a_global_rule_holds_at_every_sidecar() {
+    within(90, async {
+        let _serial = SERIAL.lock().await;
+        let redis = Redis::start();
+        let upstream = Upstream::start().await;
+        // 10 a second: a share of 3.3 per sidecar decides exactly (Auto); the Leased rule leases.
+        let p = global_policy(
+            "brute",
+            "- name: exact\n  match: {path: {prefix: /exact}}\n  key: [{header: x-api-key}]\n  limit: {requests: 10, period: 1s, burst: 10, blockFor: 20s}\n\
+             - name: leased\n  match: {path: {prefix: /leased}}\n  key: [{header: x-api-key}]\n  limit: {requests: 10, period: 1s, burst: 10, blockFor: 20s}\n  accuracy: Leased",
+        );
+        let mut sidecars = Vec::new();
+        for _ in 0..3 {
+            sidecars.push(start_sidecar(&upstream, &p, &redis, &["--redis-timeout", "200ms"]).await);
+        }
+        for s in &sidecars {
+            s.wait_members("test/brute", 3, Duration::from_secs(10)).await;
+        }
+        let c = client();
+        let sets_before = redis.command_calls("set");
+        for path in ["/exact", "/leased"] {
+            // The client exceeds the limit through the first sidecar only.
+            let at_first = statuses(&c, &sidecars[0].url(path), &[("x-api-key", "brute")], 15).await;
+            assert!(at_first.contains(&429), "{path}: the limit must be exceeded: {at_first:?}");
+        }
+        // The bucket refills completely; the block stands.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        for path in ["/exact", "/leased"] {
+            for s in &sidecars {
+                let calls = |m: &str| metric(m, "tollgate_lease_calls_total", &[]).unwrap_or(0.0);
+                let before = calls(&s.metrics(&c).await);
+                for _ in 0..20 {
+                    let resp = c.get(s.url(path)).header("x-api-key", "brute").send().await.unwrap();
+                    assert_eq!(resp.status().as_u16(), 429, "{path} at {}: a blocked key was admitted", s.url(""));
+                    let retry = header_u64(&resp, "retry-after");
+                    // 18 s or so of the block left, jittered upwards.
+                    assert!((15..=40).contains(&retry), "{path}: Retry-After {retry} is not the block's remaining time");
+                }
+                let after = calls(&s.metrics(&c).await);
+                assert!(after - before <= 1.0, "{path}: a blocked key cost {} lease calls for 20 requests", after - before);
+                // Another client is not blocked.
+                assert_eq!(status_of(&c, &s.url(path), &[("x-api-key", "other")]).await.as_u16(), 200);
+            }
+        }
+        let writes = redis.command_calls("set") - sets_before;
+        assert_eq!(writes, 2, "one Redis write per block (two rules, one key each)");
     })
     .await;
 }

@@ -104,8 +104,8 @@ fn free_bus_port_pair() -> u16 {
 /// The ACL a sidecar needs: its keys (`tg:*`), the scripts and the commands they call.
 /// On Redis Cluster, `cluster|slots` lets the client find the shards.
 const SIDECAR_ACL: &str = "on ~tg:* resetchannels -@all +evalsha +eval +script|load +ping \
-     +time +hget +hset +hdel +hgetall +hlen +pexpire +pttl +zadd +zcard +zrem +zremrangebyscore \
-     +cluster|slots";
+     +time +hget +hset +hdel +hgetall +hlen +pexpire +pttl +set +zadd +zcard +zrem \
+     +zremrangebyscore +cluster|slots";
 
 /// A TLS-only `redis-server` (no plain-text port) with `requirepass` and an ACL user
 /// `tollgate`, killed by PID when dropped.

@@ -6,6 +6,8 @@
 -- about a window.
 --
 -- KEYS[1]  group hash
+-- KEYS[2]  the bucket's block key (same slot): set, with a TTL, by the sidecar that blocked the
+--          key for the rule's blockFor; read only when ARGV[14] > 0
 -- ARGV[1]  field: the bucket id (binary)
 -- ARGV[2]  algorithm: 1 token bucket (GCRA), 2 sliding window counter, 3 fixed window
 -- ARGV[3]  requests per period
@@ -34,8 +36,12 @@
 --          syncs first, which parked the tokens of a whole horizon at one sidecar while the
 --          others refused requests. Refill left unclaimed stays in the bucket for the next
 --          caller.
--- returns {granted, remaining, reset_ms, retry_after_ms, window, ready_us}: ready_us is how far
---          after Redis's now the last granted token becomes conformant (0 when all are now)
+-- ARGV[14] blockFor in milliseconds (0: the rule blocks nobody). While the block key exists the
+--          call grants nothing (returns and debts still apply), and reports the block's
+--          remaining time, so every sidecar learns a block with its next call for the bucket.
+-- returns {granted, remaining, reset_ms, retry_after_ms, window, ready_us, blocked_ms}: ready_us
+--          is how far after Redis's now the last granted token becomes conformant (0 when all
+--          are now); blocked_ms how long the key stays blocked (0: not blocked)
 local key, field = KEYS[1], ARGV[1]
 local algo = tonumber(ARGV[2])
 local limit = tonumber(ARGV[3])
@@ -50,6 +56,14 @@ local ahead_us = (tonumber(ARGV[11]) or 0) * 1000
 if all_or_nothing then ahead_us = 0 end
 local demand = tonumber(ARGV[12]) or 0
 local share_ms = tonumber(ARGV[13]) or 0
+local blocked_ms = 0
+if (tonumber(ARGV[14]) or 0) > 0 then
+  local b = redis.call('PTTL', KEYS[2])
+  if b > 0 then
+    blocked_ms = b
+    want = 0
+  end
+end
 
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -238,4 +252,4 @@ if now_us % 16 == 0 and redis.call('HLEN', key) > 64 then
   end
 end
 
-return {granted, remaining, reset_ms, retry_ms, window, ready_us}
+return {granted, remaining, reset_ms, retry_ms, window, ready_us, blocked_ms}

@@ -128,6 +128,9 @@ pub struct Slot {
     refill_at: AtomicU64,
     /// Cost of the requests queued on `refill`: what the next round trip asks for them.
     waiting: AtomicU64,
+    /// `blockFor`: until when (clock ns) the key is blocked, by this sidecar or, as a lease
+    /// call learned, by another one (0: never blocked).
+    block_ends: AtomicU64,
 }
 
 /// Tokens a saturated token bucket granted ahead. Each grant is a run of consecutive places of
@@ -240,6 +243,10 @@ impl Slot {
     /// Takes in a reply of Redis for this key, received at `now`: the bucket's state, a lease
     /// valid until `valid_until`, and the tokens granted (those granted ahead become pending).
     fn credit(&self, r: &LeaseReply, want: u64, now: Nanos, valid_until: Nanos) {
+        if r.blocked_ms > 0 {
+            let ends = now.saturating_add(r.blocked_ms.saturating_mul(NANOS_PER_MS));
+            self.block_ends.fetch_max(ends, Ordering::AcqRel);
+        }
         self.global_remaining.store(r.remaining, Ordering::Relaxed);
         self.reset_ms.store(r.reset_ms, Ordering::Relaxed);
         self.window.store(r.window, Ordering::Relaxed);
@@ -293,6 +300,12 @@ impl Slot {
         }
     }
 
+    /// How much longer the key stays blocked at `now`, if it is.
+    fn blocked_for(&self, now: Nanos) -> Option<Nanos> {
+        let ends = self.block_ends.load(Ordering::Acquire);
+        (ends > now).then(|| ends - now)
+    }
+
     fn pending_count(&self) -> u64 {
         if self.next_unlock.load(Ordering::Acquire) == u64::MAX {
             0
@@ -339,6 +352,8 @@ pub struct GlobalRule {
     step: Nanos,
     accuracy: Accuracy,
     pub failure_mode: FailureMode,
+    /// `limit.blockFor` (0: none): a key this rule rejects is blocked at every sidecar.
+    block_for: Nanos,
     shards: Vec<Mutex<HashMap<[u8; 16], Arc<Slot>>>>,
     live: AtomicU32,
     /// Local limiter at this sidecar's share, used while Redis is unreachable (fail open).
@@ -385,6 +400,7 @@ impl GlobalRule {
             .clamp(1, u128::from(u64::MAX / 4)) as Nanos,
             accuracy: rule.accuracy,
             failure_mode: rule.failure_mode,
+            block_for: rule.limit.block_for_ms.saturating_mul(NANOS_PER_MS),
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             live: AtomicU32::new(1),
             fallback: ArcSwap::from(fallback),
@@ -403,6 +419,7 @@ impl GlobalRule {
             && self.burst == rule.limit.burst
             && self.accuracy == rule.accuracy
             && self.failure_mode == rule.failure_mode
+            && self.block_for == rule.limit.block_for_ms.saturating_mul(NANOS_PER_MS)
     }
 
     /// Live sidecars enforcing this rule's policy (at least 1).
@@ -590,6 +607,7 @@ impl GlobalRule {
                 blocked_until: AtomicU64::new(0),
                 refill_at: AtomicU64::new(0),
                 waiting: AtomicU64::new(0),
+                block_ends: AtomicU64::new(0),
             })
         }));
         (slot, new)
@@ -616,6 +634,9 @@ impl GlobalRule {
         }
         let slot = self.slot(field);
         if let Some(slot) = &slot {
+            if let Some(wait) = slot.blocked_for(now) {
+                return LocalOutcome::Decided(self.blocked_decision(wait));
+            }
             if let Some(d) = self.spend(slot, now, cost) {
                 return LocalOutcome::Decided(d);
             }
@@ -729,6 +750,9 @@ impl GlobalRule {
     /// said its next tokens come back (nothing can refill a bucket earlier but a refund).
     fn try_exact_local(&self, field: &[u8; 16], key: &[u8], now: Nanos, cost: u64) -> LocalOutcome {
         if let Some(slot) = self.slot(field) {
+            if let Some(wait) = slot.blocked_for(now) {
+                return LocalOutcome::Decided(self.blocked_decision(wait));
+            }
             let until = slot.blocked_until.load(Ordering::Acquire);
             if now < until {
                 return LocalOutcome::Decided(Decision {
@@ -762,6 +786,11 @@ impl GlobalRule {
         match self.call(op, self.runtime.settings.request_timeout).await {
             Ok(r) => {
                 let allowed = r.granted >= cost;
+                if r.blocked_ms > 0 {
+                    let (slot, _) = self.slot_or_insert(field, group, now);
+                    slot.credit(&r, 0, now, 0);
+                    return LocalOutcome::Decided(self.blocked_decision(r.blocked_ms * NANOS_PER_MS));
+                }
                 if !allowed && r.retry_after_ms > 0 {
                     let (slot, _) = self.slot_or_insert(field, group, now);
                     slot.reset_ms.store(r.reset_ms, Ordering::Relaxed);
@@ -832,6 +861,9 @@ impl GlobalRule {
             Ok(r) => {
                 let now = now.saturating_add(started.elapsed().as_nanos() as Nanos);
                 self.credit(&slot, &r, want, now);
+                if let Some(wait) = slot.blocked_for(now) {
+                    return LocalOutcome::Decided(self.blocked_decision(wait));
+                }
                 if let Some(d) = self.spend(&slot, now, cost) {
                     return LocalOutcome::Decided(d);
                 }
@@ -948,6 +980,7 @@ impl GlobalRule {
             ahead_ms: 0,
             demand: 0,
             share_ms: 0,
+            block_ms: self.block_for / NANOS_PER_MS,
         }
     }
 
@@ -1014,6 +1047,58 @@ impl GlobalRule {
         result
     }
 
+    /// The 429 for a key serving its `blockFor`.
+    fn blocked_decision(&self, wait: Nanos) -> Decision {
+        Decision {
+            allowed: false,
+            limit: self.capacity,
+            remaining: 0,
+            reset: wait,
+            retry_after: wait.max(NANOS_PER_MS),
+            delay: 0,
+        }
+    }
+
+    /// Blocks a key this rule rejected for `blockFor`, at every sidecar: kept with the key's
+    /// lease here, and published to Redis once per block (not per request), where every
+    /// sidecar's next lease call for the key finds it. A key blocked elsewhere and holding no
+    /// lease here therefore costs one lookup. Returns how long the key stays blocked; requests
+    /// during a block do not extend it.
+    pub fn block(&self, key: &[u8], now: Nanos) -> Nanos {
+        if self.block_for == 0 {
+            return 0;
+        }
+        let (field, group) = self.field_for(key);
+        let (slot, _) = self.slot_or_insert(field, group, now);
+        let ends = slot.block_ends.load(Ordering::Acquire);
+        if ends > now {
+            return ends - now;
+        }
+        let until = now.saturating_add(self.block_for);
+        if slot
+            .block_ends
+            .compare_exchange(ends, until, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            // Another request blocked it (and publishes the block) meanwhile.
+            return slot.blocked_for(now).unwrap_or(self.block_for);
+        }
+        let runtime = Arc::clone(&self.runtime);
+        let block_ms = self.block_for / NANOS_PER_MS;
+        tokio::spawn(async move {
+            let timeout = runtime.settings.sync_timeout;
+            if let Err(e) = runtime
+                .store
+                .publish_block(group, &field, block_ms, timeout)
+                .await
+            {
+                runtime.metrics.redis_error(e.kind());
+                tracing::debug!(error = %e, "block did not reach Redis: it holds at this sidecar only");
+            }
+        });
+        self.block_for
+    }
+
     fn decision_from(&self, r: &LeaseReply, allowed: bool) -> Decision {
         Decision {
             allowed,
@@ -1063,7 +1148,7 @@ impl GlobalRule {
                     op.force = owed;
                     plan.push((Arc::clone(slot), op));
                 }
-                now < slot.blocked_until.load(Ordering::Acquire)
+                now < slot.blocked_until.load(Ordering::Acquire) || slot.blocked_for(now).is_some()
             });
         }
     }
@@ -1139,7 +1224,11 @@ impl GlobalRule {
                 op.force = owed;
             }
         }
-        !idle || slot.tokens.load(Ordering::Acquire) > 0 || slot.pending_count() > 0 || owed > 0
+        !idle
+            || slot.tokens.load(Ordering::Acquire) > 0
+            || slot.pending_count() > 0
+            || owed > 0
+            || slot.blocked_for(round.now).is_some()
     }
 
     /// What a key should hold through the next horizon (0: idle; 1: no recurring demand, so

@@ -386,7 +386,7 @@ impl RedisOptions {
 }
 
 /// One lease/return against a bucket.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct LeaseOp {
     pub group: u32,
     pub field: [u8; 16],
@@ -409,6 +409,9 @@ pub struct LeaseOp {
     pub demand: u64,
     /// The period (ms) demand is reported over: the sync interval (0: no demand split).
     pub share_ms: u64,
+    /// The rule's `blockFor` (ms; 0: none): the script then looks for a block of this bucket
+    /// published by any sidecar and grants nothing while it lasts (`LeaseReply::blocked_ms`).
+    pub block_ms: u64,
 }
 
 /// What the script answered.
@@ -424,17 +427,20 @@ pub struct LeaseReply {
     /// How long after the reply the last granted token becomes conformant (token buckets
     /// granting ahead); 0 when every granted token is spendable now.
     pub ready_us: u64,
+    /// How much longer the bucket's key stays blocked (`blockFor`, published by the sidecar
+    /// that blocked it); 0 when not blocked.
+    pub blocked_ms: u64,
 }
 
-/// Parses a lease script reply; anything but six non-negative integers is an error.
+/// Parses a lease script reply; anything but seven non-negative integers is an error.
 pub fn parse_lease_reply(v: &redis::Value) -> Result<LeaseReply, StoreError> {
     let redis::Value::Array(items) = v else {
         return Err(StoreError::BadReply(format!("{v:?}")));
     };
-    if items.len() != 6 {
+    if items.len() != 7 {
         return Err(StoreError::BadReply(format!("{} items", items.len())));
     }
-    let mut n = [0u64; 6];
+    let mut n = [0u64; 7];
     for (slot, item) in n.iter_mut().zip(items) {
         *slot = match item {
             redis::Value::Int(i) if *i >= 0 => *i as u64,
@@ -448,6 +454,7 @@ pub fn parse_lease_reply(v: &redis::Value) -> Result<LeaseReply, StoreError> {
         retry_after_ms: n[3],
         window: n[4],
         ready_us: n[5],
+        blocked_ms: n[6],
     })
 }
 
@@ -813,9 +820,21 @@ impl Store {
         format!("{}:{{g{group}}}", self.prefix)
     }
 
+    /// The key a bucket's `blockFor` block is published under: beside its group, in the same
+    /// Redis Cluster slot (the hash tag), so the lease script can read it.
+    pub fn block_key(&self, group: u32, field: &[u8; 16]) -> String {
+        let mut key = self.group_key(group);
+        key.push_str(":b:");
+        for b in field {
+            key.push_str(&format!("{b:02x}"));
+        }
+        key
+    }
+
     fn lease_invocation(&self, op: &LeaseOp) -> redis::ScriptInvocation<'_> {
         let mut inv = self.lease.prepare_invoke();
         inv.key(self.group_key(op.group))
+            .key(self.block_key(op.group, &op.field))
             .arg(&op.field[..])
             .arg(op.algorithm)
             .arg(op.requests)
@@ -828,8 +847,35 @@ impl Store {
             .arg(op.force)
             .arg(op.ahead_ms)
             .arg(op.demand)
-            .arg(op.share_ms);
+            .arg(op.share_ms)
+            .arg(op.block_ms);
         inv
+    }
+
+    /// Publishes a `blockFor` block of one bucket for `block_ms`: one write per block, which
+    /// every sidecar's next lease call for the bucket reads. `NX`: a block already published
+    /// by another sidecar is not extended.
+    pub async fn publish_block(
+        &self,
+        group: u32,
+        field: &[u8; 16],
+        block_ms: u64,
+        timeout: Duration,
+    ) -> Result<(), StoreError> {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(self.block_key(group, field))
+            .arg(1)
+            .arg("PX")
+            .arg(block_ms.max(1))
+            .arg("NX");
+        let fut = async {
+            let _: redis::Value = match self.conn().await? {
+                Conn::Single(mut c) => cmd.query_async(&mut c).await?,
+                Conn::Cluster(mut c) => cmd.query_async(&mut c).await?,
+            };
+            Ok::<(), StoreError>(())
+        };
+        self.bounded(timeout, fut).await
     }
 
     /// Runs a batch of lease operations in one round trip (a pipeline on a single node; the
@@ -1018,7 +1064,7 @@ mod tests {
     #[test]
     fn lease_replies_are_validated() {
         use redis::Value::{Array, Int, Nil};
-        let ok = Array(vec![Int(3), Int(7), Int(100), Int(0), Int(9), Int(250)]);
+        let ok = Array(vec![Int(3), Int(7), Int(100), Int(0), Int(9), Int(250), Int(0)]);
         assert_eq!(
             parse_lease_reply(&ok).unwrap(),
             LeaseReply {
@@ -1028,18 +1074,19 @@ mod tests {
                 retry_after_ms: 0,
                 window: 9,
                 ready_us: 250,
+                blocked_ms: 0,
             }
         );
         assert!(parse_lease_reply(&Nil).is_err());
         assert!(parse_lease_reply(&Array(vec![Int(1)])).is_err());
-        let five = Array(vec![Int(1), Int(0), Int(0), Int(0), Int(0)]);
+        let six = Array(vec![Int(1), Int(0), Int(0), Int(0), Int(0), Int(0)]);
         assert!(
-            parse_lease_reply(&five).is_err(),
+            parse_lease_reply(&six).is_err(),
             "a reply of an older script"
         );
-        let negative = Array(vec![Int(-1), Int(0), Int(0), Int(0), Int(0), Int(0)]);
+        let negative = Array(vec![Int(-1), Int(0), Int(0), Int(0), Int(0), Int(0), Int(0)]);
         assert!(parse_lease_reply(&negative).is_err());
-        let nil = Array(vec![Nil, Int(0), Int(0), Int(0), Int(0), Int(0)]);
+        let nil = Array(vec![Nil, Int(0), Int(0), Int(0), Int(0), Int(0), Int(0)]);
         assert!(parse_lease_reply(&nil).is_err());
     }
 
