@@ -1,4 +1,6 @@
-//! The rejection audit log: one structured JSON line per rejected request, for support triage.
+//! The decision audit log: one structured JSON line per refused request, for support triage:
+//! a 429 (`decision: rejected`) and a fail-closed rule's 503 (`decision: unavailable`, with the
+//! reason), the refusals a client sees.
 //!
 //! It is itself rate limited (a fixed number of lines per second): lines past the allowance are
 //! counted in `tollgate_audit_suppressed_total`, and the next line written says how many were
@@ -42,7 +44,7 @@ pub struct AuditLog {
 
 /// What an audit line says about the request, borrowed from it: the line is built only when
 /// it fits the allowance.
-pub struct RejectedRequest<'a> {
+pub struct RefusedRequest<'a> {
     pub policy: &'a str,
     pub method: &'a http::Method,
     pub path: &'a str,
@@ -136,7 +138,7 @@ impl AuditLog {
         &self,
         rule: &ActiveRule,
         rejection: &Rejection,
-        request: &RejectedRequest<'_>,
+        request: &RefusedRequest<'_>,
         metrics: &Metrics,
     ) {
         let limited = &rejection.limited;
@@ -158,11 +160,7 @@ impl AuditLog {
             return;
         }
         let raw = self.raw_keys.then(|| printable(&rejection.key));
-        let client =
-            match crate::keys::client_ip_in(request.headers, request.peer, request.trusted_hops) {
-                ClientAddr::Peer(ip) | ClientAddr::Forwarded(ip) => ip.to_string(),
-                ClientAddr::Unparsed(text) => text.to_string(),
-            };
+        let client = client_of(request);
         let trace_id = crate::telemetry::trace_id(request.span, request.headers);
         tracing::info!(
             target: "tollgate::audit",
@@ -182,6 +180,56 @@ impl AuditLog {
             suppressed_before = self.suppressed.swap(0, Ordering::Relaxed),
             "request rejected"
         );
+    }
+
+    /// Writes the line of a request a fail-closed rule refused with 503 because its counter
+    /// store could not decide, if the allowance has room. `key` is the rule's counter key when
+    /// it could be rebuilt. Not counted in the top keys: they rank rejected clients, and an
+    /// outage refuses every client alike.
+    pub fn unavailable(
+        &self,
+        rule: &ActiveRule,
+        key: Option<&[u8]>,
+        request: &RefusedRequest<'_>,
+        metrics: &Metrics,
+    ) {
+        if !self.admit() {
+            metrics.audit_suppressed.inc();
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let key_hash = key.map(|k| crate::identity::display(self.identity.load().of(k)));
+        let raw = key.filter(|_| self.raw_keys).map(printable);
+        let client = client_of(request);
+        let trace_id = crate::telemetry::trace_id(request.span, request.headers);
+        tracing::info!(
+            target: "tollgate::audit",
+            event = "unavailable",
+            policy = request.policy,
+            rule = %rule.rule.id,
+            decision = "unavailable",
+            status = 503u16,
+            reason = UNAVAILABLE_REASON,
+            key_hash = key_hash.as_deref(),
+            key = raw.as_deref(),
+            method = %request.method,
+            path = request.path,
+            client = %client,
+            trace_id = trace_id.as_deref(),
+            suppressed_before = self.suppressed.swap(0, Ordering::Relaxed),
+            "request refused: counter store unavailable"
+        );
+    }
+}
+
+/// Why a fail-closed rule answers 503, in its audit line.
+pub const UNAVAILABLE_REASON: &str = "the rule fails closed (failureMode: Closed) and its shared counter store (Redis) is unreachable or did not answer in time";
+
+/// The client address the rule sees, as the line shows it.
+fn client_of(request: &RefusedRequest<'_>) -> String {
+    match crate::keys::client_ip_in(request.headers, request.peer, request.trusted_hops) {
+        ClientAddr::Peer(ip) | ClientAddr::Forwarded(ip) => ip.to_string(),
+        ClientAddr::Unparsed(text) => text.to_string(),
     }
 }
 

@@ -257,6 +257,7 @@ async fn handle_inner(
     match verdict.outcome() {
         Outcome::Unavailable(ri) => {
             let seed = rejection_seed(&rules, &verdict, &parts, &peer);
+            audit_unavailable(&shared, &rules, ri, &parts, &peer, span);
             local(response::unavailable(&rules, &verdict, ri, seed))
         }
         Outcome::Reject(rejection) => {
@@ -294,19 +295,50 @@ fn audit_rejection(
 ) {
     let ri = rejection.limited.rule;
     let rule = &rules.rules[ri];
-    let request = crate::audit::RejectedRequest {
-        policy: &rules.policies[rule.policy].id,
+    let request = refused_request(rules, ri, req, peer, span);
+    shared
+        .engine
+        .audit
+        .rejected(rule, rejection, &request, &shared.engine.metrics);
+}
+
+/// The audit line of a fail-closed rule's 503. The verdict keeps no key for it, so the rule's
+/// key is built again (off the hot path: the store is away).
+fn audit_unavailable(
+    shared: &Proxy,
+    rules: &RuleSet,
+    ri: usize,
+    req: &Parts,
+    peer: &SocketAddr,
+    span: Option<&tracing::Span>,
+) {
+    let mut key = Vec::new();
+    let counted = rules.applies(ri, req, peer, &mut key) == crate::rules::Applies::Counted;
+    let request = refused_request(rules, ri, req, peer, span);
+    shared.engine.audit.unavailable(
+        &rules.rules[ri],
+        counted.then_some(key.as_slice()),
+        &request,
+        &shared.engine.metrics,
+    );
+}
+
+fn refused_request<'a>(
+    rules: &'a RuleSet,
+    ri: usize,
+    req: &'a Parts,
+    peer: &'a SocketAddr,
+    span: Option<&'a tracing::Span>,
+) -> crate::audit::RefusedRequest<'a> {
+    crate::audit::RefusedRequest {
+        policy: &rules.policies[rules.rules[ri].policy].id,
         method: &req.method,
         path: req.uri.path(),
         headers: &req.headers,
         peer,
         trusted_hops: trusted_hops(rules, ri),
         span,
-    };
-    shared
-        .engine
-        .audit
-        .rejected(rule, rejection, &request, &shared.engine.metrics);
+    }
 }
 
 /// An admitted request: shaped, sent to the app within the upstream timeout, and its response

@@ -145,8 +145,10 @@ impl RateLimitService for RateLimitEdge {
             let over = status.code == Code::OverLimit as i32;
             if over {
                 answer.overall_code = Code::OverLimit as i32;
-                if let Outcome::Reject(r) = verdict.outcome() {
-                    self.audit(&rules, r, &domain);
+                match verdict.outcome() {
+                    Outcome::Reject(r) => self.audit(&rules, r, &domain),
+                    Outcome::Unavailable(ri) => self.audit_unavailable(&rules, ri, &parts, &domain),
+                    Outcome::Admit => {}
                 }
             }
             answer.statuses.push(status);
@@ -174,7 +176,7 @@ impl RateLimitEdge {
         let rule = &rules.rules[ri];
         let path = format!("rls:{domain}");
         let headers = http::HeaderMap::new();
-        let request = crate::audit::RejectedRequest {
+        let request = crate::audit::RefusedRequest {
             policy: &rules.policies[rule.policy].id,
             method: &http::Method::POST,
             path: &path,
@@ -186,6 +188,37 @@ impl RateLimitEdge {
         self.engine
             .audit
             .rejected(rule, rejection, &request, &self.engine.metrics);
+    }
+
+    /// The audit line of a descriptor a fail-closed rule refused because its store is away.
+    fn audit_unavailable(
+        &self,
+        rules: &RuleSet,
+        ri: usize,
+        parts: &http::request::Parts,
+        domain: &str,
+    ) {
+        let rule = &rules.rules[ri];
+        let mut key = Vec::new();
+        let counted =
+            rules.applies(ri, parts, &NO_PEER, &mut key) == crate::rules::Applies::Counted;
+        let path = format!("rls:{domain}");
+        let headers = http::HeaderMap::new();
+        let request = crate::audit::RefusedRequest {
+            policy: &rules.policies[rule.policy].id,
+            method: &http::Method::POST,
+            path: &path,
+            headers: &headers,
+            peer: &NO_PEER,
+            trusted_hops: 0,
+            span: None,
+        };
+        self.engine.audit.unavailable(
+            rule,
+            counted.then_some(key.as_slice()),
+            &request,
+            &self.engine.metrics,
+        );
     }
 }
 

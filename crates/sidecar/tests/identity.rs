@@ -198,3 +198,62 @@ async fn a_missing_secret_file_is_created_and_suppressed_lines_are_counted() {
     })
     .await;
 }
+
+/// A fail-closed rule's 503 is a decision the client sees, as a 429 is: it gets an audit line
+/// (decision `unavailable`, the reason, the key's identity), on the HTTP/1.1 fast path and
+/// through hyper (HTTP/2) alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fail_closed_503_is_audited_with_its_reason() {
+    within(60, async {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let secret = dir.path().join("key-hash-secret");
+        std::fs::write(&secret, "an installation secret, 32 bytes\n").expect("secret");
+        let upstream = Upstream::start().await;
+        let redis = format!("redis://{}", closed_port().await);
+        let policy = policy(
+            "closed",
+            "rules:\n  - name: per-key\n    key: [{header: x-api-key}]\n    limit: {requests: 100, period: 1m}\n    scope: Global\n    failureMode: Closed\n",
+        );
+        let args = [
+            "--key-hash-secret-file",
+            secret.to_str().expect("path"),
+            "--redis",
+            &redis,
+            "--redis-timeout",
+            "50ms",
+        ];
+        let sc = Sidecar::start(&upstream.url(), &policy, &args).await;
+        let h1 = client();
+        let h2 = client_builder()
+            .http2_prior_knowledge()
+            .build()
+            .expect("h2 client");
+        for c in [&h1, &h2] {
+            let r = c
+                .get(sc.url("/orders/7?token=secret"))
+                .header("x-api-key", "customer-1")
+                .send()
+                .await
+                .expect("request");
+            assert_eq!(r.status(), 503, "fail-closed without Redis");
+        }
+        let (code, expected, err) = key_hash_cli(&secret, &["customer-1"]);
+        assert_eq!(code, 0, "{err}");
+        for nth in 0..2 {
+            let l = line(&sc, nth).await;
+            assert_eq!(l["decision"], "unavailable", "{l}");
+            assert_eq!(l["event"], "unavailable", "{l}");
+            assert_eq!(l["status"], 503, "{l}");
+            assert_eq!(l["rule"], "test/closed/per-key", "{l}");
+            assert_eq!(l["policy"], "test/closed", "{l}");
+            assert_eq!(l["path"], "/orders/7", "{l}");
+            assert_eq!(l["client"], "127.0.0.1", "{l}");
+            assert_eq!(l["key_hash"], expected.as_str(), "{l}");
+            let reason = l["reason"].as_str().unwrap_or_default();
+            assert!(reason.contains("fails closed"), "{l}");
+            assert!(!l.to_string().contains("customer-1"), "raw key logged: {l}");
+        }
+        assert_eq!(upstream.hits(), 0, "nothing reached the app");
+    })
+    .await;
+}

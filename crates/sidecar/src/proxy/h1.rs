@@ -255,6 +255,7 @@ impl<'p> Connection<'p> {
             Outcome::Admit => self.forward(&rules, &verdict, &mut req, span).await,
             Outcome::Unavailable(ri) => {
                 let seed = super::rejection_seed(&rules, &verdict, &req.parts, &self.peer);
+                super::audit_unavailable(proxy, &rules, ri, &req.parts, &self.peer, span);
                 let resp = response::unavailable(&rules, &verdict, ri, seed);
                 self.answer_locally(&resp, req.close).await
             }
