@@ -207,6 +207,21 @@ async fn every_app_framing_reaches_the_client_intact() {
                 502,
                 "fast-http1={fast}: garbage from the app"
             );
+            // Both paths say in the log why the app could not be read.
+            let logged = poll_until(
+                Duration::from_secs(5),
+                "the upstream failure's log line",
+                || async {
+                    sc.logs()
+                        .into_iter()
+                        .find(|l| l.contains("upstream request failed"))
+                },
+            )
+            .await;
+            assert!(
+                logged.contains(&app.addr.to_string()),
+                "fast-http1={fast}: {logged}"
+            );
         }
     })
     .await;

@@ -136,8 +136,9 @@ struct AppConn {
 
 /// Why the app gave no usable response head.
 enum AppFailure {
-    /// Connecting failed, or the connection broke or answered garbage: 502.
-    Unreachable,
+    /// Connecting failed, or the connection broke or answered garbage: 502. What happened, for
+    /// the log line the hyper path writes too.
+    Unreachable(String),
     /// No response head within the upstream timeout: 504.
     Timeout,
 }
@@ -328,6 +329,9 @@ impl<'p> Connection<'p> {
         let head = match answer {
             Ok(head) => head,
             Err(failure) => {
+                if let AppFailure::Unreachable(error) = &failure {
+                    tracing::warn!(%error, upstream = %proxy.config.upstream, "upstream request failed");
+                }
                 let resp = super::upstream_failure(proxy, rules, verdict, failure.is_timeout());
                 return self.answer_locally(&resp, req.close).await;
             }
@@ -432,10 +436,10 @@ async fn ask(
             // A kept connection the app had closed: it never saw the request (a failed write)
             // or could not have acted on it before closing (nothing came back).
             Err(HeadError::NothingBack) if reused && (idempotent || !written) => *app = None,
-            Err(_) => return Err(AppFailure::Unreachable),
+            Err(e) => return Err(AppFailure::Unreachable(e.to_string())),
         }
     }
-    Err(AppFailure::Unreachable)
+    Err(AppFailure::Unreachable(HeadError::NothingBack.to_string()))
 }
 
 /// Why the app's response head could not be read.
@@ -446,6 +450,17 @@ enum HeadError {
     Broken,
 }
 
+impl std::fmt::Display for HeadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            HeadError::NothingBack => "the app closed the connection before answering",
+            HeadError::Broken => {
+                "the app's response head could not be read (cut short, oversized or not HTTP/1)"
+            }
+        })
+    }
+}
+
 impl AppConn {
     async fn connect(addr: &str) -> Result<AppConn, AppFailure> {
         match crate::upstream::dial(addr).await {
@@ -453,10 +468,7 @@ impl AppConn {
                 stream,
                 input: BytesMut::with_capacity(APP_READ),
             }),
-            Err(e) => {
-                tracing::warn!(error = %e, "upstream request failed");
-                Err(AppFailure::Unreachable)
-            }
+            Err(e) => Err(AppFailure::Unreachable(format!("cannot connect: {e}"))),
         }
     }
 
