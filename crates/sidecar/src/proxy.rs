@@ -258,18 +258,36 @@ async fn handle_inner(
         Outcome::Unavailable(ri) => {
             let seed = rejection_seed(&rules, &verdict, &parts, &peer);
             audit_unavailable(&shared, &rules, ri, &parts, &peer, span);
-            local(response::unavailable(&rules, &verdict, ri, seed))
+            refusal(&parts, response::unavailable(&rules, &verdict, ri, seed))
         }
         Outcome::Reject(rejection) => {
             let seed = rejection_seed(&rules, &verdict, &parts, &peer);
             audit_rejection(&shared, &rules, rejection, &parts, &peer, span);
-            local(response::too_many_requests(&rules, &verdict, seed))
+            refusal(&parts, response::too_many_requests(&rules, &verdict, seed))
         }
         Outcome::Admit => {
             let req = Request::from_parts(parts, body);
             forward(shared, rules, verdict, req, peer, peer_ip, span).await
         }
     }
+}
+
+/// A refusal made before the request body was read. A client that sent `Expect:
+/// 100-continue` never gets its `100 Continue`, so whether it sends the body is unknown and
+/// hyper closes the connection after the answer: the answer says so (`Connection: close`), as
+/// RFC 9110 §9.6 asks of a server about to close.
+fn refusal(parts: &Parts, mut resp: Response<Bytes>) -> Response<ProxyBody> {
+    if parts.version <= http::Version::HTTP_11 && expects_continue(&parts.headers) {
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    local(resp)
+}
+
+fn expects_continue(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
 }
 
 fn record_decision(span: &tracing::Span, rules: &RuleSet, verdict: &Verdict) {

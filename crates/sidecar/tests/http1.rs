@@ -402,3 +402,42 @@ async fn an_app_connection_the_app_closed_is_replaced() {
     })
     .await;
 }
+
+/// A request refused before its body was read, from a client waiting for `100 Continue`: the
+/// 429 says `Connection: close`, and the connection then closes (the body never came).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_429_to_expect_continue_says_connection_close() {
+    within(60, async {
+        let app = ScriptedApp::start().await;
+        let one = policy(
+            "one",
+            "rules:\n  - name: one\n    scope: Local\n    limit: {requests: 1, period: 1m}\n",
+        );
+        for fast in PATHS {
+            let sc = Sidecar::start(&app.url(), &one, &["--fast-http1", fast]).await;
+            let mut s = TcpStream::connect(sc.listen).await.unwrap();
+            let mut buf = Vec::new();
+            s.write_all(b"GET /length HTTP/1.1\r\nHost: a\r\n\r\n").await.unwrap();
+            let (head, _) = read_response(&mut s, &mut buf).await;
+            assert!(head.starts_with("http/1.1 200 "), "fast-http1={fast}: {head}");
+            s.write_all(
+                b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n",
+            )
+            .await
+            .unwrap();
+            let (head, _) = read_response(&mut s, &mut buf).await;
+            assert!(head.starts_with("http/1.1 429 "), "fast-http1={fast}: {head}");
+            assert!(
+                head.contains("\r\nconnection: close\r\n"),
+                "fast-http1={fast}: no Connection: close on {head}"
+            );
+            let mut rest = [0u8; 64];
+            let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut rest))
+                .await
+                .expect("the connection stays open")
+                .unwrap_or(0);
+            assert_eq!(n, 0, "fast-http1={fast}: more after the 429: {:?}", &rest[..n]);
+        }
+    })
+    .await;
+}
