@@ -738,7 +738,7 @@ impl RuleSet {
         for s in std::mem::take(&mut verdict.settlements) {
             let delta = -i64::try_from(s.reserved).unwrap_or(i64::MAX);
             match &self.rules[s.rule].global {
-                Some(g) => g.settle(&s.key, delta),
+                Some(g) => g.settle(&s.key, now, delta),
                 None => self.rules[s.rule].limiter.settle(&s.key, now, delta),
             }
         }
@@ -812,7 +812,7 @@ impl RuleSet {
             let delta = i64::try_from(actual).unwrap_or(i64::MAX)
                 - i64::try_from(s.reserved).unwrap_or(i64::MAX);
             match &active.global {
-                Some(g) => g.settle(&s.key, delta),
+                Some(g) => g.settle(&s.key, now, delta),
                 None => active.limiter.settle(&s.key, now, delta),
             }
         }

@@ -8,6 +8,7 @@
 -- KEYS[1]  group hash
 -- KEYS[2]  the bucket's block key (same slot): set, with a TTL, by the sidecar that blocked the
 --          key for the rule's blockFor; read only when ARGV[14] > 0
+-- KEYS[3]  the settlement id's key (same slot), when ARGV[15] is not 0
 -- ARGV[1]  field: the bucket id (binary)
 -- ARGV[2]  algorithm: 1 token bucket (GCRA), 2 sliding window counter, 3 fixed window
 -- ARGV[3]  requests per period
@@ -39,6 +40,9 @@
 -- ARGV[14] blockFor in milliseconds (0: the rule blocks nobody). While the block key exists the
 --          call grants nothing (returns and debts still apply), and reports the block's
 --          remaining time, so every sidecar learns a block with its next call for the bucket.
+-- ARGV[15] settlement id of `force` (0: none), ARGV[16] how long Redis remembers it (ms). A
+--          settlement whose id was seen is not applied again: a sidecar that could not tell
+--          whether a call carrying a debt landed (a timeout) sends it again with the same id.
 -- returns {granted, remaining, reset_ms, retry_after_ms, window, ready_us, blocked_ms}: ready_us
 --          is how far after Redis's now the last granted token becomes conformant (0 when all
 --          are now); blocked_ms how long the key stays blocked (0: not blocked)
@@ -56,6 +60,11 @@ local ahead_us = (tonumber(ARGV[11]) or 0) * 1000
 if all_or_nothing then ahead_us = 0 end
 local demand = tonumber(ARGV[12]) or 0
 local share_ms = tonumber(ARGV[13]) or 0
+if force > 0 and (ARGV[15] or '0') ~= '0' then
+  if not redis.call('SET', KEYS[3], '1', 'PX', tonumber(ARGV[16]) or 60000, 'NX') then
+    force = 0
+  end
+end
 local blocked_ms = 0
 if (tonumber(ARGV[14]) or 0) > 0 then
   local b = redis.call('PTTL', KEYS[2])

@@ -23,7 +23,7 @@ use tollgate_crd::compiled::{Accuracy, Algorithm, CompiledLimit, CompiledRule, F
 use tollgate_limiter::{Decision, KeyedLimiter, Nanos, Quota, StoreConfig};
 
 use super::GlobalMetrics;
-use super::store::{LeaseOp, LeaseReply, Store, StoreError};
+use super::store::{LeaseOp, LeaseReply, SETTLEMENT_RETRY_FOR, Store, StoreError};
 
 const NANOS_PER_MS: Nanos = 1_000_000;
 const SHARDS: usize = 16;
@@ -131,6 +131,41 @@ pub struct Slot {
     /// `blockFor`: until when (clock ns) the key is blocked, by this sidecar or, as a lease
     /// call learned, by another one (0: never blocked).
     block_ends: AtomicU64,
+    /// Settlements (debts) sent to Redis and not confirmed yet. A call that carried one and
+    /// failed may still have landed (a timeout), so it is sent again with the same id, which
+    /// Redis applies once; confirmed ones are removed.
+    unsettled: Mutex<Vec<Settlement>>,
+}
+
+/// A debt on its way to Redis, under the id Redis applies it once by.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Settlement {
+    id: u64,
+    force: u64,
+    /// When it was first sent (clock ns): it is dropped after `SETTLEMENT_RETRY_FOR`.
+    since: Nanos,
+}
+
+/// At most this many unconfirmed settlements are kept per key (a new debt is only taken once
+/// the earlier ones are confirmed, so more would only come from response-time settlements
+/// of a key without a lease failing together).
+const MAX_UNSETTLED: usize = 8;
+
+/// A settlement id unique across sidecars: a random per-process base plus a counter.
+fn settlement_id() -> u64 {
+    static BASE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let base = *BASE.get_or_init(|| {
+        let mut b = [0u8; 8];
+        if getrandom::fill(&mut b).is_err() {
+            // No system randomness: the process's hash keys are the next best seed.
+            use std::hash::BuildHasher;
+            return std::collections::hash_map::RandomState::new().hash_one(std::process::id());
+        }
+        u64::from_le_bytes(b)
+    });
+    base.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed))
+        .max(1)
 }
 
 /// Tokens a saturated token bucket granted ahead. Each grant is a run of consecutive places of
@@ -297,6 +332,61 @@ impl Slot {
             0
         } else {
             self.pending.lock().runs.back().map_or(0, |r| r.ready_at)
+        }
+    }
+
+    /// The settlement the next call for this key carries: the oldest one not confirmed yet
+    /// (sent again under its id, so a first attempt that landed is not charged twice), else
+    /// the debt owed now under a new id. `force` 0: nothing owed. Settlements older than
+    /// `SETTLEMENT_RETRY_FOR` are dropped: Redis has forgotten their ids by then.
+    fn take_settlement(&self, now: Nanos) -> Settlement {
+        let mut unsettled = self.unsettled.lock();
+        let retry_for = SETTLEMENT_RETRY_FOR.as_nanos() as Nanos;
+        unsettled.retain(|s| {
+            let keep = now.saturating_sub(s.since) < retry_for;
+            if !keep {
+                tracing::warn!(
+                    tokens = s.force,
+                    "a settlement did not reach Redis in time and is dropped"
+                );
+            }
+            keep
+        });
+        if let Some(s) = unsettled.first() {
+            return *s;
+        }
+        let owed = self.debt.swap(0, Ordering::AcqRel);
+        if owed == 0 {
+            return Settlement {
+                id: 0,
+                force: 0,
+                since: now,
+            };
+        }
+        let s = Settlement {
+            id: settlement_id(),
+            force: owed,
+            since: now,
+        };
+        if unsettled.len() < MAX_UNSETTLED {
+            unsettled.push(s);
+        }
+        s
+    }
+
+    /// Redis answered a call that carried settlement `id`: it is applied.
+    fn settled(&self, id: u64) {
+        if id != 0 {
+            self.unsettled.lock().retain(|s| s.id != id);
+        }
+    }
+
+    /// A settlement of a call that could not be made at all (not sent, so not applied):
+    /// owed again as plain debt.
+    fn unsent(&self, s: Settlement) {
+        if s.force > 0 {
+            self.unsettled.lock().retain(|u| u.id != s.id);
+            self.debt.fetch_add(s.force, Ordering::AcqRel);
         }
     }
 
@@ -608,6 +698,7 @@ impl GlobalRule {
                 refill_at: AtomicU64::new(0),
                 waiting: AtomicU64::new(0),
                 block_ends: AtomicU64::new(0),
+                unsettled: Mutex::new(Vec::new()),
             })
         }));
         (slot, new)
@@ -789,7 +880,9 @@ impl GlobalRule {
                 if r.blocked_ms > 0 {
                     let (slot, _) = self.slot_or_insert(field, group, now);
                     slot.credit(&r, 0, now, 0);
-                    return LocalOutcome::Decided(self.blocked_decision(r.blocked_ms * NANOS_PER_MS));
+                    return LocalOutcome::Decided(
+                        self.blocked_decision(r.blocked_ms * NANOS_PER_MS),
+                    );
                 }
                 if !allowed && r.retry_after_ms > 0 {
                     let (slot, _) = self.slot_or_insert(field, group, now);
@@ -850,12 +943,13 @@ impl GlobalRule {
             .saturating_sub(held)
             .max(self.part_of_remaining(&slot, target.saturating_sub(held)));
         let mut op = self.op(field, group, want, 0, 0, false);
-        op.force = slot.debt.swap(0, Ordering::AcqRel);
+        let settlement = slot.take_settlement(now);
+        op.force = settlement.force;
+        op.settle_id = settlement.id;
         op.ahead_ms = Self::ahead_ms(horizon);
         let seen = slot.spent.load(Ordering::Relaxed) + slot.denied.load(Ordering::Relaxed);
         let fresh = seen.saturating_sub(slot.reported.swap(seen, Ordering::AcqRel));
         self.report_demand(&mut op, fresh + slot.unreported.swap(0, Ordering::AcqRel));
-        let owed = op.force;
         let started = std::time::Instant::now();
         match self.call_for_slot(&slot, op, now, timeout).await {
             Ok(r) => {
@@ -878,9 +972,12 @@ impl GlobalRule {
                 }
                 LocalOutcome::Decided(self.decision_from(&r, false))
             }
-            Err(_) => {
-                // Whether the call landed is unknown; owing again errs towards admitting less.
-                slot.debt.fetch_add(owed, Ordering::AcqRel);
+            Err(e) => {
+                // Whether a call that was made landed is unknown: its settlement stays
+                // unconfirmed and goes again under its id. One never sent is owed again.
+                if matches!(e, StoreError::BreakerOpen) {
+                    slot.unsent(settlement);
+                }
                 self.degraded(Some(&slot), key, now, cost)
             }
         }
@@ -890,7 +987,7 @@ impl GlobalRule {
     /// negative). Leased: from and back into this sidecar's allowance, whatever it cannot
     /// cover owed to Redis with the key's next round trip, so a settlement never costs a call
     /// of its own. Strict: one call, off the request path.
-    pub fn settle(self: &Arc<Self>, key: &[u8], delta: i64) {
+    pub fn settle(self: &Arc<Self>, key: &[u8], now: Nanos, delta: i64) {
         if delta == 0 {
             return;
         }
@@ -901,7 +998,7 @@ impl GlobalRule {
             self.slot(&field)
         };
         let Some(slot) = slot else {
-            return self.settle_remote(field, group, delta);
+            return self.settle_remote(field, group, now, delta);
         };
         let n = delta.unsigned_abs();
         if delta < 0 {
@@ -919,11 +1016,17 @@ impl GlobalRule {
 
     /// A settlement for a key this sidecar holds no lease for (strict rules, or a lease that
     /// went idle): one lease call that forces the charge or gives the refund back.
-    fn settle_remote(self: &Arc<Self>, field: [u8; 16], group: u32, delta: i64) {
+    fn settle_remote(self: &Arc<Self>, field: [u8; 16], group: u32, now: Nanos, delta: i64) {
         let n = delta.unsigned_abs();
         let mut op = self.op(field, group, 0, 0, 0, false);
+        let settlement = Settlement {
+            id: settlement_id(),
+            force: n,
+            since: now,
+        };
         if delta > 0 {
             op.force = n;
+            op.settle_id = settlement.id;
         } else {
             op.give_back = n;
             // Windows only take a refund for the window it was spent in: the current one.
@@ -935,8 +1038,25 @@ impl GlobalRule {
         let this = Arc::clone(self);
         tokio::spawn(async move {
             let timeout = this.runtime.settings.sync_timeout;
-            if let Err(e) = this.call(op, timeout).await {
+            if let Err(e) = this.call(op.clone(), timeout).await {
                 tracing::debug!(error = %e, rule = %this.rule_id, "settlement did not reach Redis");
+                if op.force > 0 {
+                    // Kept with the key and sent again by the sync under the same id (a
+                    // timeout may have landed). A refund that fails is dropped: it errs
+                    // towards admitting less.
+                    let (slot, _) = this.slot_or_insert(field, group, now);
+                    if matches!(e, StoreError::BreakerOpen) {
+                        slot.debt.fetch_add(op.force, Ordering::AcqRel);
+                    } else {
+                        let mut unsettled = slot.unsettled.lock();
+                        if unsettled.len() < MAX_UNSETTLED {
+                            unsettled.push(settlement);
+                        } else {
+                            drop(unsettled);
+                            slot.debt.fetch_add(op.force, Ordering::AcqRel);
+                        }
+                    }
+                }
             }
         });
     }
@@ -981,6 +1101,7 @@ impl GlobalRule {
             demand: 0,
             share_ms: 0,
             block_ms: self.block_for / NANOS_PER_MS,
+            settle_id: 0,
         }
     }
 
@@ -1008,6 +1129,9 @@ impl GlobalRule {
             async move {
                 let started = std::time::Instant::now();
                 let result = lease_one(&runtime, &op, budget).await;
+                if result.is_ok() {
+                    slot.settled(op.settle_id);
+                }
                 // The request stopped waiting: keep what Redis granted.
                 if let Err(Ok(r)) = tx.send(result) {
                     let now = now.saturating_add(started.elapsed().as_nanos() as Nanos);
@@ -1141,14 +1265,17 @@ impl GlobalRule {
         for shard in &self.shards {
             shard.lock().retain(|_, slot| {
                 let give = slot.tokens.swap(0, Ordering::AcqRel) + slot.take_pending(u64::MAX);
-                let owed = slot.debt.swap(0, Ordering::AcqRel);
-                if give > 0 || owed > 0 {
+                let settlement = slot.take_settlement(now);
+                if give > 0 || settlement.force > 0 {
                     let window = slot.window.load(Ordering::Relaxed);
                     let mut op = self.op(slot.field, slot.group, 0, give, window, false);
-                    op.force = owed;
+                    op.force = settlement.force;
+                    op.settle_id = settlement.id;
                     plan.push((Arc::clone(slot), op));
                 }
-                now < slot.blocked_until.load(Ordering::Acquire) || slot.blocked_for(now).is_some()
+                now < slot.blocked_until.load(Ordering::Acquire)
+                    || slot.blocked_for(now).is_some()
+                    || settlement.force > 0
             });
         }
     }
@@ -1165,7 +1292,8 @@ impl GlobalRule {
         slot.unreported.fetch_add(demand, Ordering::AcqRel);
         let idle = target == 0;
         slot.target.store(target.max(1), Ordering::Relaxed);
-        let owed = slot.debt.swap(0, Ordering::AcqRel);
+        let settlement = slot.take_settlement(round.now);
+        let owed = settlement.force;
         let planned = plan.len();
         let held = slot.tokens.load(Ordering::Acquire) + slot.pending_count();
         // A shrinking target returns its excess only once that is worth a call of its own:
@@ -1222,6 +1350,7 @@ impl GlobalRule {
             }
             if let Some((_, op)) = plan.last_mut() {
                 op.force = owed;
+                op.settle_id = settlement.id;
             }
         }
         !idle
@@ -1287,11 +1416,15 @@ impl GlobalRule {
     /// The caller signals `GlobalRuntime::synced` once the whole round is applied.
     pub fn finish_sync(&self, slot: &Slot, op: &LeaseOp, reply: Option<&LeaseReply>, now: Nanos) {
         match reply {
-            Some(r) => self.credit(slot, r, op.want, now),
+            Some(r) => {
+                slot.settled(op.settle_id);
+                self.credit(slot, r, op.want, now);
+            }
             // The return did not reach Redis: keep the tokens (they were taken legitimately).
+            // A settlement it carried stays unconfirmed: the next call sends it again under
+            // its id, and Redis applies it once whether or not this one landed.
             None => {
                 slot.tokens.fetch_add(op.give_back, Ordering::AcqRel);
-                slot.debt.fetch_add(op.force, Ordering::AcqRel);
             }
         }
         slot.topping_up.store(false, Ordering::Release);

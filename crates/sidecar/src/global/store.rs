@@ -412,7 +412,19 @@ pub struct LeaseOp {
     /// The rule's `blockFor` (ms; 0: none): the script then looks for a block of this bucket
     /// published by any sidecar and grants nothing while it lasts (`LeaseReply::blocked_ms`).
     pub block_ms: u64,
+    /// Identifies the settlement `force` carries (0: none). Redis remembers it for
+    /// [`SETTLEMENT_ID_TTL`] and applies a settlement once, so one sent again after a call whose
+    /// outcome is unknown (a timeout that did reach Redis) is not charged twice.
+    pub settle_id: u64,
 }
+
+/// How long Redis remembers a settlement id (the script's `SET ... PX`). A settlement is sent
+/// again only within [`SETTLEMENT_RETRY_FOR`], less than this, so a retry always finds the id
+/// of a first attempt that landed.
+pub const SETTLEMENT_ID_TTL: Duration = Duration::from_secs(60);
+/// How long a settlement that did not reach Redis is retried; then it is dropped (errs
+/// towards admitting more, by at most the dropped cost).
+pub const SETTLEMENT_RETRY_FOR: Duration = Duration::from_secs(50);
 
 /// What the script answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -831,10 +843,16 @@ impl Store {
         key
     }
 
+    /// The key a settlement id is remembered under, in the bucket's slot.
+    fn settlement_key(&self, group: u32, id: u64) -> String {
+        format!("{}:s:{id:016x}", self.group_key(group))
+    }
+
     fn lease_invocation(&self, op: &LeaseOp) -> redis::ScriptInvocation<'_> {
         let mut inv = self.lease.prepare_invoke();
         inv.key(self.group_key(op.group))
             .key(self.block_key(op.group, &op.field))
+            .key(self.settlement_key(op.group, op.settle_id))
             .arg(&op.field[..])
             .arg(op.algorithm)
             .arg(op.requests)
@@ -848,7 +866,9 @@ impl Store {
             .arg(op.ahead_ms)
             .arg(op.demand)
             .arg(op.share_ms)
-            .arg(op.block_ms);
+            .arg(op.block_ms)
+            .arg(op.settle_id)
+            .arg(SETTLEMENT_ID_TTL.as_millis() as u64);
         inv
     }
 
@@ -1064,7 +1084,15 @@ mod tests {
     #[test]
     fn lease_replies_are_validated() {
         use redis::Value::{Array, Int, Nil};
-        let ok = Array(vec![Int(3), Int(7), Int(100), Int(0), Int(9), Int(250), Int(0)]);
+        let ok = Array(vec![
+            Int(3),
+            Int(7),
+            Int(100),
+            Int(0),
+            Int(9),
+            Int(250),
+            Int(0),
+        ]);
         assert_eq!(
             parse_lease_reply(&ok).unwrap(),
             LeaseReply {
@@ -1084,7 +1112,15 @@ mod tests {
             parse_lease_reply(&six).is_err(),
             "a reply of an older script"
         );
-        let negative = Array(vec![Int(-1), Int(0), Int(0), Int(0), Int(0), Int(0), Int(0)]);
+        let negative = Array(vec![
+            Int(-1),
+            Int(0),
+            Int(0),
+            Int(0),
+            Int(0),
+            Int(0),
+            Int(0),
+        ]);
         assert!(parse_lease_reply(&negative).is_err());
         let nil = Array(vec![Nil, Int(0), Int(0), Int(0), Int(0), Int(0), Int(0)]);
         assert!(parse_lease_reply(&nil).is_err());

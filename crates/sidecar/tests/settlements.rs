@@ -1,0 +1,132 @@
+//! Costs settled at the response against a real `redis-server`: a settlement is charged once
+//! even when the call carrying it timed out after reaching Redis.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
+)]
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::*;
+
+/// These tests time Redis round trips: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn one_rule(name: &str, rule: &str) -> String {
+    let rule = dedent(rule)
+        .lines()
+        .map(|l| format!("  {l}\n"))
+        .collect::<String>();
+    policy(name, &format!("rules:\n{rule}"))
+}
+
+/// A rule whose cost is the app's `x-tokens` header: 100 tokens per 10 minutes (6 s a token),
+/// a burst of `burst`.
+fn tokens_rule(name: &str, burst: u64, accuracy: &str, failure: &str) -> String {
+    one_rule(
+        name,
+        &format!(
+            "
+            - name: tokens
+              key: [{{header: x-user}}]
+              limit: {{requests: 100, period: 10m, burst: {burst}}}
+              cost: {{responseHeader: x-tokens, max: 1000}}
+              accuracy: {accuracy}
+              failureMode: {failure}
+            "
+        ),
+    )
+}
+
+/// Microseconds per token of [`tokens_rule`].
+const TOKEN_US: f64 = 6_000_000.0;
+
+/// Tokens taken from every token bucket in Redis, read from the buckets' GCRA state (the
+/// theoretical arrival time, `tokens × 6 s` ahead of Redis' clock for a bucket of 6 s a token).
+fn tokens_taken(redis: &Redis) -> f64 {
+    let time: Vec<f64> = redis
+        .cli(&["TIME"])
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
+    let now_us = time[0] * 1e6 + time[1];
+    let mut taken = 0.0;
+    for key in redis.cli(&["--scan", "--pattern", "tg:{g*}"]).lines() {
+        if key.contains(":b:") || key.contains(":s:") {
+            continue;
+        }
+        let values = redis.cli(&["HVALS", key.trim()]);
+        for v in values.lines() {
+            if let Ok(tat) = v.trim().parse::<f64>() {
+                taken += ((tat - now_us) / TOKEN_US).max(0.0);
+            }
+        }
+    }
+    taken
+}
+
+async fn tokens(c: &reqwest::Client, base: &str, user: &str, n: u64) -> u16 {
+    c.get(format!("{base}/respond?tokens={n}"))
+        .header("x-user", user)
+        .send()
+        .await
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0)
+}
+
+/// A settlement whose call timed out after Redis applied it is sent again under its id, and
+/// Redis applies it once: before, the debt was restored and charged again at every sync round
+/// that timed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settlement_that_timed_out_after_reaching_redis_is_charged_once() {
+    within(120, async {
+        let _serial = SERIAL.lock().await;
+        let redis = Redis::start();
+        let delay_ms = Arc::new(AtomicU64::new(0));
+        let (relay, _relay_task) = delaying_relay(redis.port, delay_ms.clone()).await;
+        let relay_url = format!("redis://127.0.0.1:{relay}");
+        let up = Upstream::start().await;
+        for accuracy in ["Leased", "Strict"] {
+            let name = format!("once-{}", accuracy.to_lowercase());
+            let s = Sidecar::start(
+                &up.url(),
+                // A burst of 30: the response's 30 tokens empty the bucket, so lease calls
+                // during the test grant nothing and only settlements move it.
+                &tokens_rule(&name, 30, accuracy, "Open"),
+                &["--redis", &relay_url, "--redis-timeout", "2s", "--sync-timeout", "100ms"],
+            )
+            .await;
+            let c = client();
+            let base = s.url("");
+            let base = base.trim_end_matches('/');
+            // Each chunk is delayed 70 ms each way: a call reaches Redis after 70 ms and its
+            // answer comes back after 140, past the 100 ms sync timeout.
+            delay_ms.store(70, Ordering::Relaxed);
+            assert_eq!(tokens(&c, base, "u", 30).await, 200);
+            // The settlement of 29 (30 less the reservation) goes out with the syncs, which
+            // time out for a second and a half.
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            delay_ms.store(0, Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let taken = tokens_taken(&redis);
+            let m = s.metrics(&c).await;
+            let leased = metric(&m, "tollgate_tokens_leased_total", &[]).unwrap_or(0.0);
+            let returned = metric(&m, "tollgate_tokens_returned_total", &[]).unwrap_or(0.0);
+            eprintln!("{accuracy}: {taken:.2} tokens taken for one response of 30 (leased {leased}, returned {returned})");
+            assert!(
+                (29.0..=31.0).contains(&taken),
+                "{accuracy}: {taken:.2} tokens taken for one response of 30 (charged more than once?)"
+            );
+            drop(s);
+            redis.cli(&["FLUSHALL"]);
+        }
+    })
+    .await;
+}
