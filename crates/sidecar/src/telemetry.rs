@@ -45,7 +45,12 @@ pub fn init(
     let filter = EnvFilter::try_new(log_filter).unwrap_or_else(|_| EnvFilter::new("info"));
     let (filter, handle) = reload::Layer::new(filter);
     let _ = FILTER.set(handle);
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Colour only for a person at a terminal: a file or a pipe (a log collector, `> demo.log`)
+    // would keep the escape codes as bytes.
+    let ansi = !json && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
     let fmt = if json {
         fmt.json()
             .flatten_event(true)

@@ -348,3 +348,51 @@ async fn log_filter_changes_at_runtime() {
     })
     .await;
 }
+
+/// Text logs written to a pipe (a file, a log collector) carry no terminal colour codes.
+#[test]
+fn text_logs_to_a_pipe_have_no_colour_codes() {
+    use std::io::Read;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("policy.yaml"), roomy_policy()).unwrap();
+    let mut child = std::process::Command::new(BIN)
+        .arg("--policies")
+        .arg(dir.path())
+        .args(["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+        .args(["--upstream", "http://127.0.0.1:9", "--log-format", "text"])
+        .env_remove("RUST_LOG")
+        .env_remove("NO_COLOR")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let mut stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        let mut chunk = [0u8; 4096];
+        while !String::from_utf8_lossy(&seen).contains("tollgate-sidecar started") {
+            match stderr.read(&mut chunk) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => seen.extend_from_slice(&chunk[..n]),
+            }
+        }
+        seen
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !reader.is_finished() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = std::process::Command::new("kill")
+        .arg(pid.to_string())
+        .status();
+    let _ = child.wait();
+    let log = reader.join().unwrap();
+    let text = String::from_utf8_lossy(&log);
+    assert!(text.contains("tollgate-sidecar started"), "{text}");
+    assert!(
+        !log.contains(&0x1b),
+        "colour codes in a piped log: {text:?}"
+    );
+}
