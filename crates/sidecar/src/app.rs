@@ -25,14 +25,19 @@ const EVICT_INTERVAL: Duration = Duration::from_secs(10);
 
 /// The CA an `https://` controller must chain to, from `--controller-ca` (PEM) or
 /// `--controller-ca-file`; parsed once here, so a bad one stops start-up with a clear error.
-fn controller_ca(args: &RunArgs) -> anyhow::Result<Option<Vec<reqwest::Certificate>>> {
+fn controller_ca(
+    args: &RunArgs,
+) -> anyhow::Result<Option<Vec<rustls::pki_types::CertificateDer<'static>>>> {
+    use rustls::pki_types::pem::PemObject;
     let pem = match (&args.controller_ca, &args.controller_ca_file) {
         (Some(pem), _) => pem.as_bytes().to_vec(),
         (None, Some(path)) => std::fs::read(path)
             .with_context(|| format!("--controller-ca-file {}: cannot read", path.display()))?,
         (None, None) => return Ok(None),
     };
-    match reqwest::Certificate::from_pem_bundle(&pem) {
+    let roots: Result<Vec<_>, _> =
+        rustls::pki_types::CertificateDer::pem_slice_iter(&pem).collect();
+    match roots {
         Ok(roots) if !roots.is_empty() => Ok(Some(roots)),
         _ => anyhow::bail!(
             "--controller-ca / --controller-ca-file: no PEM certificate in what was given"

@@ -12,7 +12,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::client::conn::http2;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use rustls::pki_types::{CertificateDer, ServerName};
 use tollgate_crd::stream::{
     Ack, MAX_LINE_BYTES, MAX_REPORTED_KEYS, ReportedKey, StreamMessage, TopKeysReport, parse_line,
 };
@@ -34,7 +38,7 @@ pub struct ControllerConfig {
     /// How often the most-rejected keys are reported (`POST /v1/top-keys`).
     pub top_keys_interval: Duration,
     /// CA certificates an `https://` controller must chain to (they replace the system roots).
-    pub ca: Option<Vec<reqwest::Certificate>>,
+    pub ca: Option<Vec<CertificateDer<'static>>>,
     /// Where the last good rule set is kept across restarts, if anywhere.
     pub cache: Option<RulesCache>,
     /// How long to wait for first rules before `without_rules` applies.
@@ -42,12 +46,17 @@ pub struct ControllerConfig {
     pub without_rules: WithoutRules,
 }
 
+/// How long a TCP connect or a TLS handshake to the controller may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// How a sidecar that has no rules yet gets started when the stream cannot deliver them.
 struct Startup {
     /// The wait is over (or rules arrived): nothing more to decide.
     settled: bool,
     cache_tried: bool,
     deadline: tokio::time::Instant,
+    /// The last attempt ended with the controller refusing this pod's identity.
+    identity_refused: bool,
 }
 
 impl Startup {
@@ -56,6 +65,26 @@ impl Startup {
             settled: false,
             cache_tried: false,
             deadline: tokio::time::Instant::now() + wait,
+            identity_refused: false,
+        }
+    }
+
+    /// After each attempt: whether the controller refused this pod's identity (`401`/`403`).
+    /// That is an authentication failure, not a missing controller: it never leads to serving
+    /// without limits, and a pass-through already granted is withdrawn (the pod turns unready).
+    /// Cached rules, already in force, stay.
+    fn refused(&mut self, refused: bool, config: &ControllerConfig, shared: &Shared) {
+        self.identity_refused = refused;
+        shared
+            .metrics
+            .controller_stream_refused
+            .set(i64::from(refused));
+        if refused && shared.metrics.rules_passthrough.get() == 1 {
+            shared.metrics.rules_passthrough.set(0);
+            shared
+                .ready
+                .store(false, std::sync::atomic::Ordering::Release);
+            tracing::error!(controller = %config.url, "the controller refuses this pod's identity: no longer ready without rules (--without-rules=pass-through covers an unreachable controller, not a refused one)");
         }
     }
 
@@ -95,6 +124,10 @@ impl Startup {
         self.try_cache(config, shared, apply);
         self.settled = true;
         if shared.ready.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
+        if self.identity_refused {
+            tracing::error!(waited = ?config.rules_wait, controller = %config.url, "no rules: the controller refuses this pod's identity; staying unready until it accepts it");
             return;
         }
         match config.without_rules {
@@ -179,8 +212,8 @@ impl StreamHealth {
     }
 }
 
-/// The whole cause chain: reqwest's own message (`error sending request for url …`) reads the
-/// same for a DNS failure, a refused connection and an unknown CA; the cause is in the sources.
+/// The whole cause chain: an error's own message often reads the same for a DNS failure, a
+/// refused connection and an unknown CA; the cause is in its sources.
 pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
@@ -231,6 +264,37 @@ fn hint(chain: &str) -> Option<&'static str> {
         .map(|(_, h)| *h)
 }
 
+/// Why one stream attempt ended.
+struct Ended {
+    error: String,
+    cause: EndCause,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum EndCause {
+    /// No stream: the controller could not be reached, or answered with an error other than a
+    /// refusal of this pod's identity.
+    Unavailable,
+    /// The controller refused this pod's identity (`401`/`403`): an authentication failure,
+    /// which never counts as "no controller yet".
+    Refused,
+    /// The stream worked, then broke or was ended by the controller.
+    Interrupted,
+    /// The controller refused an ack sent on the stream's own connection (`409`): what this
+    /// stream delivered is no longer what the replica holds. A new stream sorts it out; its
+    /// backoff is not reset, so a replica that keeps refusing cannot cause a reconnect loop.
+    AckConflict,
+}
+
+impl Ended {
+    fn new(cause: EndCause, error: impl Into<String>) -> Ended {
+        Ended {
+            error: error.into(),
+            cause,
+        }
+    }
+}
+
 /// Runs the stream client forever.
 pub async fn run(
     config: ControllerConfig,
@@ -238,31 +302,19 @@ pub async fn run(
     apply: Arc<dyn Apply>,
     health: Arc<StreamHealth>,
 ) {
-    // HTTP/2 (prior knowledge on plain http, ALPN on https): acks then travel on the stream's
-    // own connection, so behind a Service they reach the replica that serves the stream.
-    let mut builder = reqwest::Client::builder()
-        .connect_timeout(Duration::from_secs(5))
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .http2_keep_alive_timeout(Duration::from_secs(5))
-        .http2_keep_alive_while_idle(true);
-    if config.url.starts_with("http://") {
-        builder = builder.http2_prior_knowledge();
-    }
-    if let Some(roots) = &config.ca {
-        builder = builder.tls_certs_only(roots.iter().cloned());
-    }
     crate::install_crypto_provider();
-    let client = match builder.build() {
-        Ok(c) => c,
+    let target = match Target::parse(&config) {
+        Ok(t) => t,
         Err(e) => {
-            tracing::error!(error = %e, "cannot build the controller client");
+            health.failed(&e);
+            tracing::error!(error = %e, "cannot use the controller URL; no rules will arrive");
             return;
         }
     };
     shared.audit.start_reporting();
+    let current: CurrentSession = Arc::default();
     tokio::spawn(report_top_keys(
-        client.clone(),
+        Arc::clone(&current),
         config.clone(),
         Arc::clone(&shared),
     ));
@@ -273,7 +325,8 @@ pub async fn run(
     let mut startup = Startup::new(config.rules_wait);
     loop {
         let attempt = stream_once(
-            &client,
+            &target,
+            &current,
             &config,
             &shared,
             apply.as_ref(),
@@ -283,7 +336,7 @@ pub async fn run(
         );
         tokio::pin!(attempt);
         // The wait for first rules runs beside the attempt (a connect may hang for long).
-        let outcome = loop {
+        let ended = loop {
             tokio::select! {
                 r = &mut attempt => break r,
                 () = tokio::time::sleep_until(startup.deadline), if !startup.settled => {
@@ -291,18 +344,18 @@ pub async fn run(
                 }
             }
         };
+        *current.lock() = None;
         startup.try_cache(&config, &shared, apply.as_ref());
-        let e = match outcome {
-            Ok(()) => "stream ended".to_string(),
-            Err(e) => e,
-        };
-        if shared.metrics.controller_connected.get() == 1 {
-            // It had connected: a stream that broke after working starts over from the
-            // shortest backoff.
+        startup.refused(ended.cause == EndCause::Refused, &config, &shared);
+        if ended.cause == EndCause::Interrupted {
+            // It had worked: a stream that broke starts over from the shortest backoff.
             backoff.reset();
         }
+        let e = ended.error;
         health.failed(&e);
-        if shared.ready.load(std::sync::atomic::Ordering::Acquire) {
+        if ended.cause == EndCause::Refused {
+            tracing::error!(error = %e, controller = %config.url, "the controller refuses this pod's identity; no new rules until it accepts it (check the token's audience and the controller's --token-audience)");
+        } else if shared.ready.load(std::sync::atomic::Ordering::Acquire) {
             tracing::warn!(error = %e, controller = %config.url, "rule stream interrupted; enforcing the last-known-good rules");
         } else {
             tracing::warn!(error = %e, hint = hint(&e), controller = %config.url, "rule stream unavailable; not ready until the first rules arrive");
@@ -312,50 +365,93 @@ pub async fn run(
     }
 }
 
+/// The session of the open stream, if any: top-keys reports go through it.
+type CurrentSession = Arc<parking_lot::Mutex<Option<Session>>>;
+
+/// The `/v1/watch` path and query for this pod.
+fn watch_path(config: &ControllerConfig, shared: &Shared, held: Option<&(String, u64)>) -> String {
+    let mut q = form_urlencoded::Serializer::new(String::new());
+    q.append_pair("namespace", &config.namespace)
+        .append_pair("pod", &config.pod);
+    if let Some((epoch, version)) = held {
+        q.append_pair("since", &version.to_string())
+            .append_pair("epoch", epoch);
+    }
+    if shared.global.get().is_none() {
+        // Global rules are enforced per sidecar here: the controller's status says so.
+        q.append_pair("redis", "false");
+    }
+    format!("/v1/watch?{}", q.finish())
+}
+
+/// Opens one session and its stream; returns the accepted response's body.
+async fn open_stream(
+    target: &Target,
+    current: &CurrentSession,
+    config: &ControllerConfig,
+    path: &str,
+) -> Result<(Session, hyper::body::Incoming), Ended> {
+    let unavailable = |e: String| Ended::new(EndCause::Unavailable, e);
+    let token = std::fs::read_to_string(&config.token_file).map_err(|e| {
+        unavailable(format!(
+            "cannot read token {}: {e}",
+            config.token_file.display()
+        ))
+    })?;
+    let session = Session::open(target)
+        .await
+        .map_err(|e| unavailable(format!("connect {}: {e}", config.url)))?;
+    let resp = session
+        .send(http::Method::GET, path, token.trim(), None)
+        .await
+        .map_err(|e| unavailable(format!("connect {}: {e}", config.url)))?;
+    let status = resp.status();
+    if !status.is_success() {
+        let body = small_body(resp.into_body()).await;
+        let cause = match status.as_u16() {
+            401 | 403 => EndCause::Refused,
+            _ => EndCause::Unavailable,
+        };
+        return Err(Ended::new(
+            cause,
+            format!("controller answered {status}: {body}"),
+        ));
+    }
+    *current.lock() = Some(session.clone());
+    Ok((session, resp.into_body()))
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn stream_once(
-    client: &reqwest::Client,
+    target: &Target,
+    current: &CurrentSession,
     config: &ControllerConfig,
     shared: &Shared,
     apply: &dyn Apply,
     held: &mut Option<(String, u64)>,
     saved: &mut Option<(u64, Vec<tollgate_crd::CompiledPolicy>)>,
     health: &StreamHealth,
-) -> Result<(), String> {
-    let token = std::fs::read_to_string(&config.token_file)
-        .map_err(|e| format!("cannot read token {}: {e}", config.token_file.display()))?;
-    let mut url = reqwest::Url::parse(&format!("{}/v1/watch", config.url.trim_end_matches('/')))
-        .map_err(|e| format!("--controller {}: {e}", config.url))?;
-    {
-        let mut q = url.query_pairs_mut();
-        q.append_pair("namespace", &config.namespace)
-            .append_pair("pod", &config.pod);
-        if let Some((epoch, version)) = held.as_ref() {
-            q.append_pair("since", &version.to_string())
-                .append_pair("epoch", epoch);
-        }
-    }
-    let resp = client
-        .get(url)
-        .bearer_auth(token.trim())
-        .send()
-        .await
-        .map_err(|e| format!("connect {}: {}", config.url, error_chain(&e)))?;
-    if !resp.status().is_success() {
-        let status = resp.status();
-        let body = resp.text().await.unwrap_or_default();
-        return Err(format!("controller answered {status}: {}", body.trim()));
-    }
+) -> Ended {
+    let path = watch_path(config, shared, held.as_ref());
+    let (session, mut body) = match open_stream(target, current, config, &path).await {
+        Ok(s) => s,
+        Err(ended) => return ended,
+    };
     shared.metrics.controller_connected.set(1);
+    shared.metrics.controller_stream_refused.set(0);
     health.connected();
     tracing::info!(controller = %config.url, "rule stream connected");
-    let mut body = resp.bytes_stream();
+    let interrupted = |e: String| Ended::new(EndCause::Interrupted, e);
     let mut buf: Vec<u8> = Vec::new();
     loop {
-        let chunk = match tokio::time::timeout(config.idle_timeout, body.next()).await {
-            Err(_) => return Err(format!("no message for {:?}", config.idle_timeout)),
-            Ok(None) => return Err("stream closed by the controller".to_string()),
-            Ok(Some(Err(e))) => return Err(format!("read: {}", error_chain(&e))),
-            Ok(Some(Ok(chunk))) => chunk,
+        let frame = match tokio::time::timeout(config.idle_timeout, body.frame()).await {
+            Err(_) => return interrupted(format!("no message for {:?}", config.idle_timeout)),
+            Ok(None) => return interrupted("stream closed by the controller".to_string()),
+            Ok(Some(Err(e))) => return interrupted(format!("read: {}", error_chain(&e))),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        let Ok(chunk) = frame.into_data() else {
+            continue; // trailers
         };
         buf.extend_from_slice(&chunk);
         while let Some(pos) = buf.iter().position(|b| *b == b'\n') {
@@ -364,56 +460,30 @@ async fn stream_once(
             if line.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
-            match parse_line(line)? {
+            let message = match parse_line(line) {
+                Ok(m) => m,
+                Err(e) => return interrupted(e),
+            };
+            let handled = match message {
                 StreamMessage::Snapshot {
                     wire_version,
                     version,
                     policies,
                     members,
-                    epoch: new_epoch,
+                    epoch,
                     key_hash_secret,
                 } => {
                     if let Some(secret) = &key_hash_secret {
                         shared.audit.adopt_controller_secret(secret);
                     }
-                    if wire_version != tollgate_crd::WIRE_VERSION {
-                        return Err(format!(
-                            "controller speaks wire version {wire_version}, this sidecar {}",
-                            tollgate_crd::WIRE_VERSION
-                        ));
-                    }
-                    if let Some((held_epoch, held_version)) = held.as_ref()
-                        && *held_epoch == new_epoch
-                        && version < *held_version
-                    {
-                        // Versions only grow within one controller epoch: this one is stale.
-                        tracing::warn!(version, held = *held_version, "ignoring an older snapshot");
-                        continue;
-                    }
-                    let to_save = config
-                        .cache
-                        .as_ref()
-                        .map(|c| (c.clone(), policies.clone(), members.clone()));
-                    match apply.rules(version, policies) {
-                        Ok(()) => {
-                            shared.metrics.rules_from_cache.set(0);
-                            shared.metrics.rules_passthrough.set(0);
-                            apply.members(members);
-                            shared.metrics.controller_version.set(version as i64);
-                            ack(client, config, &new_epoch, version).await;
-                            *held = Some((new_epoch, version));
-                            // After the ack: the file sync must not delay propagation.
-                            if let Some((cache, policies, members)) = to_save {
-                                *saved = Some((version, policies.clone()));
-                                save(cache, version, policies, members).await;
-                            }
-                        }
-                        Err(e) => {
-                            // Keep the rules in force; the controller's status shows the policy.
-                            shared.metrics.config_errors.inc();
-                            tracing::error!(error = %e, version, "snapshot refused; keeping the last good rules");
-                        }
-                    }
+                    let snapshot = Snapshot {
+                        wire_version,
+                        version,
+                        policies,
+                        members,
+                        epoch,
+                    };
+                    on_snapshot(&session, config, shared, apply, held, saved, snapshot).await
                 }
                 StreamMessage::Members { members, .. } => {
                     // The cache keeps the membership current too: a pod restarted from it
@@ -424,14 +494,249 @@ async fn stream_once(
                     {
                         save(cache.clone(), *version, policies.clone(), members.clone()).await;
                     }
-                    apply.members(members)
+                    apply.members(members);
+                    Ok(())
                 }
-                StreamMessage::Heartbeat { .. } => {}
+                StreamMessage::Heartbeat { .. } => Ok(()),
+            };
+            if let Err(ended) = handled {
+                return ended;
             }
         }
         if buf.len() > MAX_LINE_BYTES {
-            return Err(format!("stream line longer than {MAX_LINE_BYTES} bytes"));
+            return interrupted(format!("stream line longer than {MAX_LINE_BYTES} bytes"));
         }
+    }
+}
+
+/// A snapshot as it came off the stream.
+struct Snapshot {
+    wire_version: u32,
+    version: u64,
+    policies: Vec<tollgate_crd::CompiledPolicy>,
+    members: BTreeMap<String, u32>,
+    epoch: String,
+}
+
+/// Applies a snapshot, acknowledges it on the stream's connection and caches it.
+async fn on_snapshot(
+    session: &Session,
+    config: &ControllerConfig,
+    shared: &Shared,
+    apply: &dyn Apply,
+    held: &mut Option<(String, u64)>,
+    saved: &mut Option<(u64, Vec<tollgate_crd::CompiledPolicy>)>,
+    s: Snapshot,
+) -> Result<(), Ended> {
+    if s.wire_version != tollgate_crd::WIRE_VERSION {
+        return Err(Ended::new(
+            EndCause::Interrupted,
+            format!(
+                "controller speaks wire version {}, this sidecar {}",
+                s.wire_version,
+                tollgate_crd::WIRE_VERSION
+            ),
+        ));
+    }
+    if let Some((held_epoch, held_version)) = held.as_ref()
+        && *held_epoch == s.epoch
+        && s.version < *held_version
+    {
+        // Versions only grow within one controller epoch: this one is stale.
+        tracing::warn!(
+            version = s.version,
+            held = *held_version,
+            "ignoring an older snapshot"
+        );
+        return Ok(());
+    }
+    let to_save = config
+        .cache
+        .as_ref()
+        .map(|c| (c.clone(), s.policies.clone(), s.members.clone()));
+    if let Err(e) = apply.rules(s.version, s.policies) {
+        // Keep the rules in force; the controller's status shows the policy.
+        shared.metrics.config_errors.inc();
+        tracing::error!(error = %e, version = s.version, "snapshot refused; keeping the last good rules");
+        return Ok(());
+    }
+    shared.metrics.rules_from_cache.set(0);
+    shared.metrics.rules_passthrough.set(0);
+    apply.members(s.members);
+    shared.metrics.controller_version.set(s.version as i64);
+    let acked = ack(session, config, &s.epoch, s.version).await;
+    *held = Some((s.epoch, s.version));
+    // After the ack: the file sync must not delay propagation.
+    if let Some((cache, policies, members)) = to_save {
+        *saved = Some((s.version, policies.clone()));
+        save(cache, s.version, policies, members).await;
+    }
+    acked
+}
+
+/// Where the controller is, parsed once from `--controller`.
+struct Target {
+    host: String,
+    port: u16,
+    /// `scheme://authority[/prefix]`, without a trailing slash.
+    base: String,
+    tls: Option<(tokio_rustls::TlsConnector, ServerName<'static>)>,
+}
+
+impl Target {
+    fn parse(config: &ControllerConfig) -> Result<Target, String> {
+        let bad = |why: &dyn std::fmt::Display| format!("--controller {}: {why}", config.url);
+        let url: http::Uri = config.url.parse().map_err(|e| bad(&e))?;
+        let host = url
+            .host()
+            .ok_or_else(|| bad(&"no host"))?
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_string();
+        let scheme = url.scheme_str().unwrap_or("");
+        let port = match (url.port_u16(), scheme) {
+            (Some(port), _) => port,
+            (None, "https") => 443,
+            (None, _) => 80,
+        };
+        if url.query().is_some() {
+            return Err(bad(&"a query is not allowed"));
+        }
+        let tls = match scheme {
+            "http" => None,
+            "https" => {
+                let name = ServerName::try_from(host.clone()).map_err(|e| bad(&e))?;
+                Some((tls_connector(config.ca.as_deref())?, name))
+            }
+            other => return Err(bad(&format!("scheme {other:?} is not http or https"))),
+        };
+        Ok(Target {
+            host,
+            port,
+            base: config.url.trim_end_matches('/').to_string(),
+            tls,
+        })
+    }
+}
+
+/// TLS to the controller: only the given CA when there is one, the platform's roots otherwise;
+/// ALPN `h2` only, since the session is one HTTP/2 connection.
+fn tls_connector(
+    ca: Option<&[CertificateDer<'static>]>,
+) -> Result<tokio_rustls::TlsConnector, String> {
+    let mut config = match ca {
+        Some(certs) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for cert in certs {
+                roots
+                    .add(cert.clone())
+                    .map_err(|e| format!("--controller-ca: {e}"))?;
+            }
+            rustls::ClientConfig::builder()
+                .with_root_certificates(roots)
+                .with_no_client_auth()
+        }
+        None => {
+            use rustls_platform_verifier::ConfigVerifierExt;
+            rustls::ClientConfig::with_platform_verifier()
+                .map_err(|e| format!("the platform's certificate roots: {e}"))?
+        }
+    };
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+}
+
+/// One HTTP/2 connection to one controller replica, for as long as one rule stream lasts. The
+/// stream, its acks and the top-keys reports all go through it and never through another
+/// connection: behind a Service another connection may reach another replica, which does not
+/// serve this pod's stream and refuses its acks (`409`). When the connection is gone, requests
+/// on it fail instead of opening a new one.
+#[derive(Clone)]
+struct Session {
+    sender: http2::SendRequest<Full<Bytes>>,
+    base: Arc<str>,
+}
+
+impl Session {
+    async fn open(target: &Target) -> Result<Session, String> {
+        let connect = tokio::net::TcpStream::connect((target.host.as_str(), target.port));
+        let tcp = tokio::time::timeout(CONNECT_TIMEOUT, connect)
+            .await
+            .map_err(|_| format!("connect timed out after {CONNECT_TIMEOUT:?}"))?
+            .map_err(|e| error_chain(&e))?;
+        let _ = tcp.set_nodelay(true);
+        let sender = match &target.tls {
+            None => handshake(tcp).await?,
+            Some((connector, name)) => {
+                let tls =
+                    tokio::time::timeout(CONNECT_TIMEOUT, connector.connect(name.clone(), tcp))
+                        .await
+                        .map_err(|_| format!("TLS handshake timed out after {CONNECT_TIMEOUT:?}"))?
+                        .map_err(|e| format!("TLS: {}", error_chain(&e)))?;
+                if tls.get_ref().1.alpn_protocol() != Some(b"h2".as_slice()) {
+                    return Err("the controller did not agree to HTTP/2 (ALPN h2)".to_string());
+                }
+                handshake(tls).await?
+            }
+        };
+        Ok(Session {
+            sender,
+            base: Arc::from(target.base.as_str()),
+        })
+    }
+
+    /// Sends one request on this connection.
+    async fn send(
+        &self,
+        method: http::Method,
+        path_and_query: &str,
+        token: &str,
+        json: Option<Vec<u8>>,
+    ) -> Result<http::Response<hyper::body::Incoming>, String> {
+        let mut builder = http::Request::builder()
+            .method(method)
+            .uri(format!("{}{path_and_query}", self.base))
+            .header(http::header::AUTHORIZATION, format!("Bearer {token}"));
+        if json.is_some() {
+            builder = builder.header(http::header::CONTENT_TYPE, "application/json");
+        }
+        let req = builder
+            .body(Full::new(Bytes::from(json.unwrap_or_default())))
+            .map_err(|e| e.to_string())?;
+        let mut sender = self.sender.clone();
+        sender.ready().await.map_err(|e| error_chain(&e))?;
+        sender.send_request(req).await.map_err(|e| error_chain(&e))
+    }
+}
+
+/// HTTP/2 over an open connection (prior knowledge on plain TCP, ALPN on TLS), PINGed so a
+/// dead peer is noticed; the connection runs until every [`Session`] clone is dropped.
+async fn handshake<IO>(io: IO) -> Result<http2::SendRequest<Full<Bytes>>, String>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, connection) = http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(5))
+        .keep_alive_while_idle(true)
+        .handshake(TokioIo::new(io))
+        .await
+        .map_err(|e| format!("HTTP/2 handshake: {}", error_chain(&e)))?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "controller connection ended with an error");
+        }
+    });
+    Ok(sender)
+}
+
+/// Reads a small response body (an error's problem details), bounded in size and time.
+async fn small_body(body: hyper::body::Incoming) -> String {
+    let read = Limited::new(body, 16 * 1024).collect();
+    match tokio::time::timeout(Duration::from_secs(5), read).await {
+        Ok(Ok(b)) => String::from_utf8_lossy(&b.to_bytes()).trim().to_string(),
+        _ => String::new(),
     }
 }
 
@@ -453,10 +758,18 @@ async fn save(
     }
 }
 
-/// Tells the controller which version this sidecar enforces (best effort).
-async fn ack(client: &reqwest::Client, config: &ControllerConfig, epoch: &str, version: u64) {
+/// Tells the controller which version this sidecar enforces, on the stream's own connection.
+/// A lost ack only delays the policy's `Programmed` status, except for a `409`: the replica
+/// serving this very stream does not know what it delivered, so the stream is started over.
+async fn ack(
+    session: &Session,
+    config: &ControllerConfig,
+    epoch: &str,
+    version: u64,
+) -> Result<(), Ended> {
     let Ok(token) = std::fs::read_to_string(&config.token_file) else {
-        return;
+        tracing::warn!(version, "ack not sent: cannot read the token file");
+        return Ok(());
     };
     let body = Ack {
         namespace: config.namespace.clone(),
@@ -464,24 +777,42 @@ async fn ack(client: &reqwest::Client, config: &ControllerConfig, epoch: &str, v
         version,
         epoch: epoch.to_string(),
     };
-    let url = format!("{}/v1/ack", config.url.trim_end_matches('/'));
-    let result = client
-        .post(url)
-        .bearer_auth(token.trim())
-        .timeout(Duration::from_secs(5))
-        .json(&body)
-        .send()
-        .await;
-    if let Err(e) = result {
-        tracing::debug!(error = %e, "ack failed");
+    let Ok(json) = serde_json::to_vec(&body) else {
+        return Ok(());
+    };
+    let sent = session.send(http::Method::POST, "/v1/ack", token.trim(), Some(json));
+    let resp = match tokio::time::timeout(Duration::from_secs(5), sent).await {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, version, "ack failed");
+            return Ok(());
+        }
+        Err(_) => {
+            tracing::warn!(version, "ack timed out after 5 s");
+            return Ok(());
+        }
+    };
+    let status = resp.status();
+    if status.is_success() {
+        return Ok(());
     }
+    let detail = small_body(resp.into_body()).await;
+    if status == http::StatusCode::CONFLICT {
+        return Err(Ended::new(
+            EndCause::AckConflict,
+            format!(
+                "the controller refused the ack of version {version} (409: {detail}); reconnecting"
+            ),
+        ));
+    }
+    tracing::warn!(%status, detail, version, "ack refused");
+    Ok(())
 }
 
-/// Sends the keys rejected most since the last report, every `top_keys_interval`, on the
-/// stream's HTTP/2 connection (the client is shared). A report that fails is merged into the
-/// next one, so a controller restart loses no counts; quiet intervals send nothing.
-async fn report_top_keys(client: reqwest::Client, config: ControllerConfig, shared: Arc<Shared>) {
-    let url = format!("{}/v1/top-keys", config.url.trim_end_matches('/'));
+/// Sends the keys rejected most since the last report, every `top_keys_interval`, through the
+/// open stream's connection (none while there is no stream). A report that fails is merged
+/// into the next one, so a controller restart loses no counts; quiet intervals send nothing.
+async fn report_top_keys(current: CurrentSession, config: ControllerConfig, shared: Arc<Shared>) {
     let mut pending: Vec<ReportedKey> = Vec::new();
     let mut ticks = tokio::time::interval(config.top_keys_interval);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -492,6 +823,9 @@ async fn report_top_keys(client: reqwest::Client, config: ControllerConfig, shar
         if pending.is_empty() {
             continue;
         }
+        let Some(session) = current.lock().clone() else {
+            continue;
+        };
         let Ok(token) = std::fs::read_to_string(&config.token_file) else {
             continue;
         };
@@ -500,19 +834,22 @@ async fn report_top_keys(client: reqwest::Client, config: ControllerConfig, shar
             pod: config.pod.clone(),
             keys: pending.clone(),
         };
-        let sent = client
-            .post(&url)
-            .bearer_auth(token.trim())
-            .timeout(Duration::from_secs(5))
-            .json(&body)
-            .send()
-            .await
-            .and_then(reqwest::Response::error_for_status);
-        match sent {
-            Ok(_) => pending.clear(),
-            Err(e) => {
+        let Ok(json) = serde_json::to_vec(&body) else {
+            continue;
+        };
+        let sent = session.send(http::Method::POST, "/v1/top-keys", token.trim(), Some(json));
+        match tokio::time::timeout(Duration::from_secs(5), sent).await {
+            Ok(Ok(resp)) if resp.status().is_success() => pending.clear(),
+            Ok(Ok(resp)) => {
+                tracing::debug!(status = %resp.status(), keys = pending.len(), "top-keys report refused; kept for the next one")
+            }
+            Ok(Err(e)) => {
                 tracing::debug!(error = %e, keys = pending.len(), "top-keys report failed; kept for the next one")
             }
+            Err(_) => tracing::debug!(
+                keys = pending.len(),
+                "top-keys report timed out; kept for the next one"
+            ),
         }
     }
 }

@@ -31,8 +31,8 @@ pub mod telemetry;
 pub mod topkeys;
 pub mod upstream;
 
-/// Makes ring the process's rustls crypto provider: reqwest, used for the controller client, is
-/// built without one of its own. Idempotent; called before that client is built.
+/// Makes ring the process's rustls crypto provider, which the controller connection's TLS
+/// configuration takes (rustls is built without a default one). Idempotent; called before it.
 pub fn install_crypto_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }

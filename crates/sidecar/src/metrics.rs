@@ -39,6 +39,7 @@ pub struct Metrics {
     pub audit_suppressed: Counter,
     pub local_fallback_rules: Gauge,
     pub controller_connected: Gauge,
+    pub controller_stream_refused: Gauge,
     pub controller_version: Gauge,
     pub rules_from_cache: Gauge,
     pub rules_passthrough: Gauge,
@@ -189,6 +190,12 @@ impl Metrics {
             "1 while the rule stream from tollgate-controller is connected",
             controller_connected.clone(),
         );
+        let controller_stream_refused = Gauge::default();
+        registry.register(
+            "controller_stream_refused",
+            "1 while the controller refuses this pod's identity on the rule stream (401/403): no new rules arrive, and the sidecar never serves without limits because of it",
+            controller_stream_refused.clone(),
+        );
         let controller_version = Gauge::default();
         registry.register(
             "controller_rules_version",
@@ -214,6 +221,7 @@ impl Metrics {
             rules_from_cache,
             rules_passthrough,
             controller_connected,
+            controller_stream_refused,
             controller_version,
             global,
             registry,

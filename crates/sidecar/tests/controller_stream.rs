@@ -30,6 +30,15 @@ struct Seen {
     watches: Vec<String>,
     acks: Vec<serde_json::Value>,
     unauthorized: usize,
+    /// TCP connections accepted so far.
+    connections: usize,
+    /// The connection (numbered from 1 in accept order) each watch and each ack came on.
+    watch_connections: Vec<usize>,
+    ack_connections: Vec<usize>,
+    /// Answer acks with this status instead of 204 (e.g. 409).
+    ack_status: Option<u16>,
+    /// Acks answered 204.
+    acks_taken: usize,
 }
 
 /// A fake controller: every watch gets the lines pushed through `lines` (one subscriber at a time).
@@ -57,6 +66,11 @@ impl FakeController {
                 let Ok((stream, _)) = listener.accept().await else {
                     return;
                 };
+                let connection = {
+                    let mut seen = seen2.lock().unwrap();
+                    seen.connections += 1;
+                    seen.connections
+                };
                 let (seen, lines, first) = (seen2.clone(), lines2.clone(), first.clone());
                 conns.spawn(async move {
                     let svc =
@@ -82,15 +96,25 @@ impl FakeController {
                                         .await
                                         .map(|b| b.to_bytes())
                                         .unwrap_or_default();
+                                    let mut seen = seen.lock().unwrap();
                                     if let Ok(v) = serde_json::from_slice(&body) {
-                                        seen.lock().unwrap().acks.push(v);
+                                        seen.acks.push(v);
+                                        seen.ack_connections.push(connection);
                                     }
-                                    return Ok(Response::new(body_of(Bytes::new())));
+                                    let status = seen.ack_status.unwrap_or(204);
+                                    if status == 204 {
+                                        seen.acks_taken += 1;
+                                    }
+                                    let mut r = Response::new(body_of(Bytes::new()));
+                                    *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap();
+                                    return Ok(r);
                                 }
-                                seen.lock()
-                                    .unwrap()
-                                    .watches
-                                    .push(req.uri().query().unwrap_or("").to_string());
+                                {
+                                    let mut seen = seen.lock().unwrap();
+                                    seen.watches
+                                        .push(req.uri().query().unwrap_or("").to_string());
+                                    seen.watch_connections.push(connection);
+                                }
                                 let (tx, rx) = mpsc::unbounded_channel::<String>();
                                 for l in &first {
                                     let _ = tx.send(l.clone());
@@ -536,6 +560,92 @@ async fn a_new_pod_without_rules_passes_through_after_the_wait_or_stays_unready(
         .await;
         assert_eq!(readyz(&unready).await, 503);
         assert!(!cache.exists(), "nothing to cache without rules");
+    })
+    .await;
+}
+
+/// The acks of a snapshot that arrives long after the stream opened (past the 90 s after which
+/// a pooled HTTP client drops an idle connection from its pool) still travel on the stream's
+/// own connection: behind a Service, another connection may reach another controller replica,
+/// which answers 409 and leaves the policy unprogrammed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_share_the_stream_connection_after_a_long_quiet_time() {
+    within(180, async {
+        let upstream = Upstream::start().await;
+        let controller = FakeController::start(0, vec![snapshot(1, 2)]).await;
+        let url = format!("http://127.0.0.1:{}", controller.port);
+        let (_s, _token_dir) = stream_sidecar(&upstream, &url, "test-token", &[]).await;
+        poll_until(Duration::from_secs(10), "ack of v1", || async {
+            (!controller.seen.lock().unwrap().acks.is_empty()).then_some(())
+        })
+        .await;
+        // Quiet but alive: heartbeats only, for longer than a pool's idle timeout.
+        let quiet = Duration::from_secs(95);
+        let started = std::time::Instant::now();
+        while started.elapsed() < quiet {
+            controller.push(r#"{"type":"heartbeat","version":1}"#.to_string());
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+        controller.push(snapshot(2, 5));
+        poll_until(Duration::from_secs(10), "ack of v2", || async {
+            let seen = controller.seen.lock().unwrap();
+            seen.acks.iter().any(|a| a["version"] == 2).then_some(())
+        })
+        .await;
+        let seen = controller.seen.lock().unwrap();
+        assert_eq!(
+            seen.watch_connections,
+            vec![1],
+            "one stream, never reopened"
+        );
+        assert_eq!(
+            seen.ack_connections,
+            vec![1, 1],
+            "both acks on the stream's connection ({} connections in all)",
+            seen.connections
+        );
+        assert_eq!(seen.connections, 1);
+    })
+    .await;
+}
+
+/// A `409` to an ack sent on the stream's own connection means the replica does not know what
+/// it delivered: the sidecar starts the stream over, with a growing backoff (a replica that
+/// keeps refusing cannot make it loop), and settles once an ack is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_ack_starts_the_stream_over_with_backoff() {
+    within(60, async {
+        let upstream = Upstream::start().await;
+        let controller = FakeController::start(0, vec![snapshot(1, 2)]).await;
+        controller.seen.lock().unwrap().ack_status = Some(409);
+        let url = format!("http://127.0.0.1:{}", controller.port);
+        let (s, _token_dir) = stream_sidecar(&upstream, &url, "test-token", &[]).await;
+        poll_until(Duration::from_secs(10), "ready", || async {
+            (readyz(&s).await == 200).then_some(())
+        })
+        .await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let watches = controller.seen.lock().unwrap().watches.len();
+        // Backoff from 100 ms doubling (with jitter down to half): at most ~7 in 3 s; a loop
+        // without backoff would make hundreds.
+        assert!((2..=8).contains(&watches), "{watches} streams in 3 s");
+        assert!(
+            controller.seen.lock().unwrap().watches[1].contains("since=1"),
+            "the new stream resumes from what the sidecar holds"
+        );
+        controller.seen.lock().unwrap().ack_status = None;
+        poll_until(Duration::from_secs(15), "an ack taken", || async {
+            (controller.seen.lock().unwrap().acks_taken > 0).then_some(())
+        })
+        .await;
+        let settled = controller.seen.lock().unwrap().watches.len();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(
+            controller.seen.lock().unwrap().watches.len(),
+            settled,
+            "no new stream once the ack is taken"
+        );
+        assert_eq!(admitted(&s, "a", 4).await, 2, "the rules stayed in force");
     })
     .await;
 }
