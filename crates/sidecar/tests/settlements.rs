@@ -1,5 +1,6 @@
 //! Costs settled at the response against a real `redis-server`: a settlement is charged once
-//! even when the call carrying it timed out after reaching Redis.
+//! even when the call carrying it timed out after reaching Redis, and a refund clears a refusal
+//! remembered in exact mode.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -127,6 +128,75 @@ async fn a_settlement_that_timed_out_after_reaching_redis_is_charged_once() {
             drop(s);
             redis.cli(&["FLUSHALL"]);
         }
+    })
+    .await;
+}
+
+/// Exact mode remembers a refusal until the retry time Redis gave; a refund (here: responses
+/// whose status does not count) puts tokens back, and the next request is decided by Redis
+/// again instead of refused from memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_clears_a_refusal_remembered_in_exact_mode() {
+    within(60, async {
+        let _serial = SERIAL.lock().await;
+        let redis = Redis::start();
+        let up = Upstream::start().await;
+        let yaml = one_rule(
+            "logins",
+            "
+            - name: failed
+              key: [{header: x-user}]
+              limit: {requests: 2, period: 10m}
+              count: {statuses: [401]}
+              accuracy: Strict
+            ",
+        );
+        let s = Sidecar::start(
+            &up.url(),
+            &yaml,
+            &["--redis", &redis.url(), "--redis-timeout", "1s"],
+        )
+        .await;
+        let c = client();
+        // Two requests in flight reserve the two tokens.
+        let held: Vec<_> = (0..2)
+            .map(|_| {
+                let req = c.get(s.url("/hold")).header("x-user", "u").send();
+                tokio::spawn(req)
+            })
+            .collect();
+        poll_until(
+            Duration::from_secs(5),
+            "two requests held upstream",
+            || async { (up.in_flight() == 2).then_some(()) },
+        )
+        .await;
+        // A third is refused by Redis, and the refusal is remembered (retry in 5 minutes).
+        assert_eq!(
+            status_of(&c, &s.url("/"), &[("x-user", "u")])
+                .await
+                .as_u16(),
+            429
+        );
+        // Both held requests succeed (200 does not count): their reservations are refunded.
+        up.release();
+        for h in held {
+            assert_eq!(h.await.unwrap().unwrap().status().as_u16(), 200);
+        }
+        // The refunds reach Redis off the request path.
+        let admitted = poll_until(
+            Duration::from_secs(3),
+            "a request admitted after the refunds",
+            || async {
+                let status = status_of(&c, &s.url("/"), &[("x-user", "u")])
+                    .await
+                    .as_u16();
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                (status == 200).then_some(status)
+            },
+        )
+        .await;
+        assert_eq!(admitted, 200);
     })
     .await;
 }

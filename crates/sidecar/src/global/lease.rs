@@ -838,7 +838,9 @@ impl GlobalRule {
     }
 
     /// Exact mode without a round trip: only a key that Redis rejected, until the time Redis
-    /// said its next tokens come back (nothing can refill a bucket earlier but a refund).
+    /// said its next tokens come back. Nothing refills a bucket earlier but a refund: one
+    /// settled through this sidecar clears the refusal once Redis has it (`settle_remote`);
+    /// one settled through another sidecar is seen here at the retry time.
     fn try_exact_local(&self, field: &[u8; 16], key: &[u8], now: Nanos, cost: u64) -> LocalOutcome {
         if let Some(slot) = self.slot(field) {
             if let Some(wait) = slot.blocked_for(now) {
@@ -1038,7 +1040,15 @@ impl GlobalRule {
         let this = Arc::clone(self);
         tokio::spawn(async move {
             let timeout = this.runtime.settings.sync_timeout;
-            if let Err(e) = this.call(op.clone(), timeout).await {
+            let result = this.call(op.clone(), timeout).await;
+            if result.is_ok() && op.give_back > 0 {
+                // A refund put tokens back: a refusal remembered in exact mode no longer
+                // stands (see `try_exact_local`); the next request asks Redis again.
+                if let Some(slot) = this.slot(&field) {
+                    slot.blocked_until.store(0, Ordering::Release);
+                }
+            }
+            if let Err(e) = result {
                 tracing::debug!(error = %e, rule = %this.rule_id, "settlement did not reach Redis");
                 if op.force > 0 {
                     // Kept with the key and sent again by the sync under the same id (a
