@@ -1,6 +1,6 @@
 //! Costs settled at the response against a real `redis-server`: a settlement is charged once
-//! even when the call carrying it timed out after reaching Redis, and a refund clears a refusal
-//! remembered in exact mode.
+//! even when the call carrying it timed out after reaching Redis, a refund clears a refusal
+//! remembered in exact mode, and costs settled while Redis is down are charged when it is back.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -197,6 +197,62 @@ async fn a_refund_clears_a_refusal_remembered_in_exact_mode() {
         )
         .await;
         assert_eq!(admitted, 200);
+    })
+    .await;
+}
+
+/// Costs settled at the response while Redis is down: the fail-open fallback takes them (its
+/// share honours the real cost), and Redis is charged when it is back instead of never.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn costs_settled_while_redis_is_down_are_charged_when_it_is_back() {
+    within(120, async {
+        let _serial = SERIAL.lock().await;
+        for accuracy in ["Leased", "Strict"] {
+            let mut redis = Redis::start();
+            let port = redis.port;
+            let up = Upstream::start().await;
+            let name = format!("outage-{}", accuracy.to_lowercase());
+            let s = Sidecar::start(
+                &up.url(),
+                &tokens_rule(&name, 100, accuracy, "Open"),
+                &["--redis", &redis.url(), "--redis-timeout", "200ms"],
+            )
+            .await;
+            let c = client();
+            let base = s.url("");
+            let base = base.trim_end_matches('/');
+            assert_eq!(tokens(&c, base, "warm", 1).await, 200);
+            redis.kill();
+            // Open the breaker with another key: from then on the fallback decides.
+            poll_until(Duration::from_secs(5), "the breaker open", || async {
+                tokens(&c, base, "other", 1).await;
+                let m = s.metrics(&c).await;
+                (metric(&m, "tollgate_redis_breaker_open", &[]) == Some(1.0)).then_some(())
+            })
+            .await;
+            // The fallback's share is the whole limit (one sidecar): 100 tokens. Responses of
+            // 30 tokens: the fourth takes it to 120, so the fifth and sixth are refused.
+            let mut statuses = Vec::new();
+            for _ in 0..6 {
+                statuses.push(tokens(&c, base, "u", 30).await);
+            }
+            eprintln!("{accuracy}: during the outage {statuses:?}");
+            assert_eq!(
+                statuses.iter().filter(|s| **s == 200).count(),
+                4,
+                "{accuracy}: the fallback must honour the settled costs: {statuses:?}"
+            );
+            let _back = Redis::start_on(port, &[]);
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let taken = tokens_taken(&_back);
+            eprintln!("{accuracy}: {taken:.2} tokens charged to Redis after the outage");
+            // Four admitted responses settled 29 each beyond their reservation (which the
+            // fallback admitted without Redis); the refused ones cost nothing.
+            assert!(
+                (115.0..=118.0).contains(&taken),
+                "{accuracy}: {taken:.2} tokens charged after the outage, 116 settled during it"
+            );
+        }
     })
     .await;
 }

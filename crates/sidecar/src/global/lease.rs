@@ -151,6 +151,9 @@ struct Settlement {
 /// of a key without a lease failing together).
 const MAX_UNSETTLED: usize = 8;
 
+/// Keys per rule that may hold a debt for Redis while it is away (about 200 bytes each).
+const MAX_OWING_KEYS: usize = 65_536;
+
 /// A settlement id unique across sidecars: a random per-process base plus a counter.
 fn settlement_id() -> u64 {
     static BASE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
@@ -993,6 +996,11 @@ impl GlobalRule {
         if delta == 0 {
             return;
         }
+        if self.runtime.store.breaker.is_open() {
+            // Redis is away and the fail-open fallback decides the key's requests: it takes
+            // the real cost too. Redis gets it when it is back (below).
+            self.fallback.load().settle(key, now, delta);
+        }
         let (field, group) = self.field_for(key);
         let slot = if self.exact() {
             None
@@ -1020,6 +1028,9 @@ impl GlobalRule {
     /// went idle): one lease call that forces the charge or gives the refund back.
     fn settle_remote(self: &Arc<Self>, field: [u8; 16], group: u32, now: Nanos, delta: i64) {
         let n = delta.unsigned_abs();
+        if delta > 0 && self.runtime.store.breaker.is_open() {
+            return self.owe_later(field, group, now, None, n);
+        }
         let mut op = self.op(field, group, 0, 0, 0, false);
         let settlement = Settlement {
             id: settlement_id(),
@@ -1054,21 +1065,39 @@ impl GlobalRule {
                     // Kept with the key and sent again by the sync under the same id (a
                     // timeout may have landed). A refund that fails is dropped: it errs
                     // towards admitting less.
-                    let (slot, _) = this.slot_or_insert(field, group, now);
-                    if matches!(e, StoreError::BreakerOpen) {
-                        slot.debt.fetch_add(op.force, Ordering::AcqRel);
-                    } else {
-                        let mut unsettled = slot.unsettled.lock();
-                        if unsettled.len() < MAX_UNSETTLED {
-                            unsettled.push(settlement);
-                        } else {
-                            drop(unsettled);
-                            slot.debt.fetch_add(op.force, Ordering::AcqRel);
-                        }
-                    }
+                    let sent = !matches!(e, StoreError::BreakerOpen);
+                    this.owe_later(field, group, now, sent.then_some(settlement), op.force);
                 }
             }
         });
+    }
+
+    /// Keeps a charge Redis could not take (it was away, or the call was never made) with the
+    /// key, for the sync to flush when Redis is back: response-time costs settled during an
+    /// outage are charged then instead of lost. Bounded: at most [`MAX_OWING_KEYS`] keys per
+    /// rule; beyond that a new key's charge is dropped (logged).
+    /// `sent`: the settlement went out and may have landed, so it is kept under its id.
+    fn owe_later(
+        &self,
+        field: [u8; 16],
+        group: u32,
+        now: Nanos,
+        sent: Option<Settlement>,
+        tokens: u64,
+    ) {
+        if self.slot(&field).is_none() && self.leased_keys() >= MAX_OWING_KEYS {
+            tracing::debug!(rule = %self.rule_id, tokens, "too many keys owe Redis: a settlement is dropped");
+            return;
+        }
+        let (slot, _) = self.slot_or_insert(field, group, now);
+        if let Some(s) = sent {
+            let mut unsettled = slot.unsettled.lock();
+            if unsettled.len() < MAX_UNSETTLED {
+                unsettled.push(s);
+                return;
+            }
+        }
+        slot.debt.fetch_add(tokens, Ordering::AcqRel);
     }
 
     /// Whether spending again may succeed: an in-flight top-up of this key has been credited
