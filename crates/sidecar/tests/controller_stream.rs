@@ -309,19 +309,54 @@ async fn rules_arrive_over_the_stream_and_survive_a_controller_outage() {
     .await;
 }
 
+/// A controller that refuses the pod's identity is an authentication failure, not an absent
+/// controller: past `--rules-wait` the sidecar stays unready instead of passing traffic
+/// through unlimited (`--without-rules=pass-through` is the default), and says why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_token_keeps_the_sidecar_unready() {
     within(60, async {
         let upstream = Upstream::start().await;
         let controller = FakeController::start(0, vec![snapshot(1, 2)]).await;
         let url = format!("http://127.0.0.1:{}", controller.port);
-        let (s, _token_dir) = stream_sidecar(&upstream, &url, "wrong", &[]).await;
+        let (s, token_dir) =
+            stream_sidecar(&upstream, &url, "wrong", &["--rules-wait", "1s"]).await;
         poll_until(Duration::from_secs(10), "a refused attempt", || async {
             (controller.seen.lock().unwrap().unauthorized > 0).then_some(())
         })
         .await;
-        let r = client().get(s.admin_url("/readyz")).send().await.unwrap();
-        assert_eq!(r.status(), 503, "no rules yet: not ready");
+        poll_until(Duration::from_secs(10), "the wait given up", || async {
+            s.logs()
+                .iter()
+                .any(|l| l.contains("refuses this pod's identity; staying unready"))
+                .then_some(())
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(readyz(&s).await, 503, "refused: never ready without rules");
+        let m = s.metrics(&client()).await;
+        assert_eq!(
+            metric(&m, "tollgate_controller_stream_refused", &[]),
+            Some(1.0),
+            "{m}"
+        );
+        assert_eq!(
+            metric(&m, "tollgate_rules_passthrough", &[]),
+            Some(0.0),
+            "{m}"
+        );
+        // Once the controller accepts the token, rules arrive and the gauge clears.
+        std::fs::write(token_dir.path().join("token"), "test-token").unwrap();
+        poll_until(Duration::from_secs(20), "ready with rules", || async {
+            (readyz(&s).await == 200).then_some(())
+        })
+        .await;
+        let m = s.metrics(&client()).await;
+        assert_eq!(
+            metric(&m, "tollgate_controller_stream_refused", &[]),
+            Some(0.0),
+            "{m}"
+        );
+        assert_eq!(admitted(&s, "a", 4).await, 2);
     })
     .await;
 }
