@@ -729,3 +729,57 @@ async fn block_for_on_a_global_rule_holds_at_every_sidecar() {
     })
     .await;
 }
+
+/// A Strict rule admits no more than its bucket for a new key right after a policy is applied,
+/// at every sidecar, when a call to Redis takes longer than `--redis-timeout` (the first
+/// call after an apply also connects and loads the script; here a relay adds 15 ms each way).
+/// Before, such a request went to the fail-open fallback, which admitted it on top of the
+/// bucket: at least one extra admission per sidecar.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_strict_rule_admits_no_more_than_its_bucket_after_a_policy_apply() {
+    within(90, async {
+        let _serial = SERIAL.lock().await;
+        let redis = Redis::start();
+        let delay_ms = Arc::new(AtomicU64::new(15));
+        let (relay, _relay_task) = delaying_relay(redis.port, delay_ms.clone()).await;
+        let relay_url = format!("redis://127.0.0.1:{relay}");
+        let upstream = Upstream::start().await;
+        let before = global_policy("apply", "- name: other\n  match: {path: {prefix: /other}}\n  limit: {requests: 1000, period: 1s}");
+        let mut sidecars = Vec::new();
+        for _ in 0..3 {
+            let args = ["--redis", relay_url.as_str(), "--redis-timeout", "5ms"];
+            sidecars.push(Sidecar::start(&upstream.url(), &before, &args).await);
+        }
+        let after = global_policy(
+            "apply",
+            "- name: strict\n  key: [{header: x-api-key}]\n  limit: {requests: 10, period: 1m, burst: 10}\n  accuracy: Strict",
+        );
+        let c = client();
+        for s in &sidecars {
+            s.write_policy(&after);
+        }
+        for s in &sidecars {
+            poll_until(Duration::from_secs(10), "the new policy enforced", || async {
+                let resp = c.get(s.url("/")).header("x-api-key", format!("probe-{}", s.pid)).send().await.ok()?;
+                let policy = resp.headers().get("ratelimit-policy")?.to_str().ok()?;
+                policy.contains("strict").then_some(())
+            })
+            .await;
+        }
+        // A new key, back to back over the three sidecars.
+        let mut statuses = Vec::new();
+        for i in 0..30 {
+            statuses.push(status_of(&c, &sidecars[i % 3].url("/"), &[("x-api-key", "new")]).await.as_u16());
+        }
+        let admitted = statuses.iter().filter(|s| **s == 200).count();
+        let mut fallback = 0.0;
+        for s in &sidecars {
+            fallback += metric(&s.metrics(&c).await, "tollgate_fallback_admitted_total", &[]).unwrap_or(0.0);
+        }
+        eprintln!("strict after an apply: {admitted} of 30 admitted, fallback admitted {fallback}: {statuses:?}");
+        assert_eq!(fallback, 0.0, "Redis was reachable: nothing may be admitted by the fallback");
+        // The burst, plus a token of refill if the run took 6 s.
+        assert!((10..=11).contains(&admitted), "{admitted} admitted for a burst of 10: {statuses:?}");
+    })
+    .await;
+}

@@ -867,6 +867,20 @@ impl GlobalRule {
         LocalOutcome::NeedRemote
     }
 
+    /// How long a request waits for its exact-mode call. `accuracy: Strict` waits up to the
+    /// sync timeout: a request that stopped waiting sooner went to the fail-open fallback,
+    /// which admitted it on top of the bucket while Redis was merely slower than
+    /// `--redis-timeout` (the first call of a sidecar after a policy was applied also
+    /// connected), one extra admission per sidecar for a new key. While Redis is known to be
+    /// down (the breaker is open) no request waits at all.
+    fn exact_timeout(&self) -> Duration {
+        let settings = &self.runtime.settings;
+        match self.accuracy {
+            Accuracy::Strict => settings.request_timeout.max(settings.sync_timeout),
+            _ => settings.request_timeout,
+        }
+    }
+
     /// Exact mode: one all-or-nothing call for this request. A rejection is remembered until
     /// its retry time, so a client far over a small limit costs one call per refill, not one
     /// per request.
@@ -879,7 +893,7 @@ impl GlobalRule {
         cost: u64,
     ) -> LocalOutcome {
         let op = self.op(field, group, cost, 0, 0, true);
-        match self.call(op, self.runtime.settings.request_timeout).await {
+        match self.call(op, self.exact_timeout()).await {
             Ok(r) => {
                 let allowed = r.granted >= cost;
                 if r.blocked_ms > 0 {

@@ -968,6 +968,19 @@ impl Store {
         Ok(pipe.query_async(conn).await?)
     }
 
+    /// Connects and loads the lease script ahead of the first request that needs Redis, so
+    /// that request does not pay a connection and a `NOSCRIPT` round trip inside its timeout
+    /// (best effort: a failure is met again, and handled, by the first real call).
+    pub async fn warm_up(&self, timeout: Duration) -> Result<(), StoreError> {
+        let fut = async {
+            if let Conn::Single(mut c) = self.conn().await? {
+                self.lease.prepare_invoke().load_async(&mut c).await?;
+            }
+            Ok::<(), StoreError>(())
+        };
+        self.bounded(timeout, fut).await
+    }
+
     /// `PING`, bounded by `timeout`: whether Redis answers at all.
     pub async fn ping(&self, timeout: Duration) -> Result<(), StoreError> {
         let fut = async {

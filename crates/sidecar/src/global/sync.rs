@@ -37,6 +37,9 @@ pub async fn sync_loop(
     membership: Membership,
 ) {
     let interval = runtime.settings.sync_interval;
+    if let Err(e) = runtime.store.warm_up(runtime.settings.sync_timeout).await {
+        tracing::debug!(error = %e, "redis not reachable at start; connecting on first use");
+    }
     let mut sync = SyncLoop {
         source,
         runtime,
