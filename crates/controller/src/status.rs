@@ -414,7 +414,13 @@ impl StatusWriter {
     }
 
     async fn patch(&self, view: &PolicyView, status: &RateLimitPolicyStatus) -> bool {
-        let api: Api<RateLimitPolicy> = Api::namespaced(self.client.clone(), &view.namespace);
+        // The response is not read: untyped, so a stored policy that does not decode (a required
+        // field missing, stored while no validating webhook ran) still gets its status.
+        let api: Api<kube::api::DynamicObject> = Api::namespaced_with(
+            self.client.clone(),
+            &view.namespace,
+            &kube::api::ApiResource::erase::<RateLimitPolicy>(&()),
+        );
         let body = serde_json::json!({
             "apiVersion": "tollgate.dev/v1alpha1",
             "kind": "RateLimitPolicy",

@@ -101,15 +101,62 @@ impl Decoded {
     }
 }
 
+/// Why a policy could not be decoded at all: the first value of the wrong type or missing
+/// required field, and the unknown fields met before it. A misspelled required field is both
+/// (`limt:` leaves `limit` missing), and the misspelling is what the user needs to see.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodeError {
+    /// One `<path>: unknown field ...` error per unknown field seen before `error`.
+    pub unknown_fields: Vec<FieldError>,
+    pub error: FieldError,
+}
+
+impl DecodeError {
+    /// Every error, unknown fields first (they usually explain `error`).
+    pub fn errors(&self) -> Vec<FieldError> {
+        let mut all = self.unknown_fields.clone();
+        all.push(self.error.clone());
+        all
+    }
+}
+
+/// `path: message` per error, separated by `; ` (one line, as in an admission denial).
+impl std::fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for e in &self.unknown_fields {
+            write!(f, "{e}; ")?;
+        }
+        write!(f, "{}", self.error)
+    }
+}
+
+impl std::error::Error for DecodeError {}
+
+impl From<DecodeError> for CompileErrors {
+    fn from(e: DecodeError) -> CompileErrors {
+        CompileErrors(e.errors())
+    }
+}
+
+impl From<FieldError> for DecodeError {
+    fn from(error: FieldError) -> DecodeError {
+        DecodeError {
+            unknown_fields: Vec::new(),
+            error,
+        }
+    }
+}
+
 /// Decodes a policy object (what the API server sends an admission webhook). Fails only on
-/// values of the wrong type or missing required fields; unknown fields are collected.
-pub fn from_json(value: serde_json::Value) -> Result<Decoded, FieldError> {
+/// values of the wrong type or missing required fields (with the unknown fields seen before);
+/// unknown fields are collected.
+pub fn from_json(value: serde_json::Value) -> Result<Decoded, DecodeError> {
     decode(value, "object")
 }
 
 /// Parses one or more YAML documents holding `RateLimitPolicy` objects (empty documents are
 /// skipped), collecting each one's unknown fields. Errors name the document index.
-pub fn parse_yaml_documents(text: &str) -> Result<Vec<Decoded>, FieldError> {
+pub fn parse_yaml_documents(text: &str) -> Result<Vec<Decoded>, DecodeError> {
     let mut out = Vec::new();
     for (i, doc) in serde_norway::Deserializer::from_str(text).enumerate() {
         let value = serde_norway::Value::deserialize(doc).map_err(|e| FieldError {
@@ -124,7 +171,8 @@ pub fn parse_yaml_documents(text: &str) -> Result<Vec<Decoded>, FieldError> {
             return Err(FieldError {
                 path: format!("document {i}.kind"),
                 message: format!("expected RateLimitPolicy, found {kind:?}"),
-            });
+            }
+            .into());
         }
         let api = value
             .get("apiVersion")
@@ -134,7 +182,8 @@ pub fn parse_yaml_documents(text: &str) -> Result<Vec<Decoded>, FieldError> {
             return Err(FieldError {
                 path: format!("document {i}.apiVersion"),
                 message: format!("expected tollgate.dev/v1alpha1, found {api:?}"),
-            });
+            }
+            .into());
         }
         out.push(decode(value, &format!("document {i}"))?);
     }
@@ -144,7 +193,7 @@ pub fn parse_yaml_documents(text: &str) -> Result<Vec<Decoded>, FieldError> {
 /// Parses one or more YAML documents holding `RateLimitPolicy` objects (empty documents are
 /// skipped). Unknown fields are errors: all of them are returned, each with its path.
 pub fn parse_yaml(text: &str) -> Result<Vec<RateLimitPolicy>, CompileErrors> {
-    let docs = parse_yaml_documents(text).map_err(|e| CompileErrors(vec![e]))?;
+    let docs = parse_yaml_documents(text).map_err(CompileErrors::from)?;
     let unknown: Vec<FieldError> = docs
         .iter()
         .flat_map(|d| d.unknown_fields.iter().cloned())
@@ -162,7 +211,7 @@ enum Segment {
     Index(usize),
 }
 
-fn decode<'de, D>(de: D, whole: &str) -> Result<Decoded, FieldError>
+fn decode<'de, D>(de: D, whole: &str) -> Result<Decoded, DecodeError>
 where
     D: serde::Deserializer<'de>,
 {
@@ -172,28 +221,56 @@ where
         segments_of(&path, &mut segments);
         ignored.push(segments);
     };
-    let policy: RateLimitPolicy =
-        serde_path_to_error::deserialize(serde_ignored::Deserializer::new(de, &mut record))
-            .map_err(|e| {
-                let field = e.path().to_string();
-                FieldError {
-                    path: if field == "." {
-                        whole.to_string()
-                    } else {
-                        field
-                    },
-                    message: e.into_inner().to_string(),
-                }
-            })?;
+    let decoded: Result<RateLimitPolicy, _> =
+        serde_path_to_error::deserialize(serde_ignored::Deserializer::new(de, &mut record));
     let unknown_fields = ignored
         .iter()
         .filter(|p| !is_exempt(p))
         .map(|p| unknown_field_error(p))
         .collect();
-    Ok(Decoded {
-        policy,
-        unknown_fields,
-    })
+    match decoded {
+        Ok(policy) => Ok(Decoded {
+            policy,
+            unknown_fields,
+        }),
+        Err(e) => Err(DecodeError {
+            unknown_fields,
+            error: decode_error(e, whole),
+        }),
+    }
+}
+
+/// The serde error as a field error. A missing field is reported at its own path, in the API
+/// server's words (`spec.rules[0].limit: Required value`), not at its parent's.
+fn decode_error<E: std::fmt::Display>(e: serde_path_to_error::Error<E>, whole: &str) -> FieldError {
+    let parent = e.path().to_string();
+    let parent = if parent == "." {
+        whole.to_string()
+    } else {
+        parent
+    };
+    let message = e.into_inner().to_string();
+    // serde_json and serde_norway say "missing field `limit`"; the value-based deserialiser a
+    // watch decodes through says "Missing field limit".
+    let missing = message
+        .strip_prefix("missing field ")
+        .or_else(|| message.strip_prefix("Missing field "))
+        .map(|rest| rest.trim_matches('`'))
+        .filter(|field| !field.is_empty() && !field.contains(' '));
+    match missing {
+        Some(field) if parent == whole => FieldError {
+            path: field.to_string(),
+            message: "Required value".into(),
+        },
+        Some(field) => FieldError {
+            path: format!("{parent}.{field}"),
+            message: "Required value".into(),
+        },
+        None => FieldError {
+            path: parent,
+            message,
+        },
+    }
 }
 
 /// `status` (written by the controller; a newer one may add fields) and the type fields, which

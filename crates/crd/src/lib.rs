@@ -11,15 +11,16 @@ pub mod stream;
 
 pub use compile::{CompileErrors, FieldError, compile, compile_parts};
 pub use compiled::{CompiledPolicy, CompiledRule, WIRE_VERSION};
-pub use decode::{Decoded, parse_yaml, parse_yaml_documents};
+pub use decode::{DecodeError, Decoded, parse_yaml, parse_yaml_documents};
 pub use policy::{RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus};
 
 use kube::CustomResourceExt;
 
 /// The CustomResourceDefinition, with schemars' unsigned formats mapped to the ones Kubernetes
-/// knows (`uint64` → `int64`), so applying it prints no "unrecognized format" warnings, and
-/// every object under `spec` marked `x-kubernetes-preserve-unknown-fields` (see
-/// [`preserve_unknown_fields`]).
+/// knows (`uint64` → `int64`), so applying it prints no "unrecognized format" warnings, every
+/// object under `spec` marked `x-kubernetes-preserve-unknown-fields` (see
+/// [`preserve_unknown_fields`]) and no required fields under `spec` but list-map keys (see
+/// [`leave_required_to_admission`]).
 pub fn crd()
 -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
     let crd = RateLimitPolicy::crd();
@@ -35,6 +36,7 @@ pub fn crd()
         for version in versions {
             if let Some(spec) = version.pointer_mut("/schema/openAPIV3Schema/properties/spec") {
                 preserve_unknown_fields(spec);
+                leave_required_to_admission(spec, &[]);
             }
         }
     }
@@ -66,6 +68,42 @@ fn preserve_unknown_fields(schema: &mut serde_json::Value) {
         if let Some(child) = node.get_mut(key) {
             preserve_unknown_fields(child);
         }
+    }
+}
+
+/// Removes `required` from every node of `schema` except the keys of a list-map (`keys`, the
+/// parent array's `x-kubernetes-list-map-keys`), which the API server needs to merge the list.
+///
+/// The API server checks `required` before any validating webhook runs, and it cannot see the
+/// unknown fields it preserves. A misspelled required field (`limt:` for `limit:`) would get
+/// only `spec.rules[0].limit: Required value` from it, never reaching the webhook that names
+/// `limt` and suggests `limit`. Decoding a policy (the webhook, the controller, `check`)
+/// reports a missing field as `Required value` at its path, after the unknown fields.
+fn leave_required_to_admission(schema: &mut serde_json::Value, keys: &[serde_json::Value]) {
+    let Some(node) = schema.as_object_mut() else {
+        return;
+    };
+    if let Some(required) = node.get_mut("required").and_then(|r| r.as_array_mut()) {
+        required.retain(|field| keys.contains(field));
+        if required.is_empty() {
+            node.remove("required");
+        }
+    }
+    let list_map_keys: Vec<serde_json::Value> = node
+        .get("x-kubernetes-list-map-keys")
+        .and_then(|k| k.as_array())
+        .cloned()
+        .unwrap_or_default();
+    if let Some(items) = node.get_mut("items") {
+        leave_required_to_admission(items, &list_map_keys);
+    }
+    if let Some(props) = node.get_mut("properties").and_then(|p| p.as_object_mut()) {
+        props
+            .values_mut()
+            .for_each(|p| leave_required_to_admission(p, &[]));
+    }
+    if let Some(child) = node.get_mut("additionalProperties") {
+        leave_required_to_admission(child, &[]);
     }
 }
 

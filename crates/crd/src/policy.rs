@@ -104,7 +104,7 @@ pub struct TargetRef {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(
-    validation = Rule::new("!has(self.limit.algorithm) || self.limit.algorithm != 'Concurrency' || self.scope == 'Local'").message("spec.rules[].scope must be Local for a Concurrency limit: in-flight counts are per sidecar").field_path(".scope"),
+    validation = Rule::new("!has(self.limit) || !has(self.limit.algorithm) || self.limit.algorithm != 'Concurrency' || self.scope == 'Local'").message("spec.rules[].scope must be Local for a Concurrency limit: in-flight counts are per sidecar").field_path(".scope"),
     validation = Rule::new("self.accuracy != 'Strict' || self.scope == 'Global'").message("spec.rules[].accuracy: Strict needs scope Global (it is one atomic Redis call per request)").field_path(".accuracy"),
 )]
 pub struct PolicyRule {
@@ -409,10 +409,9 @@ pub enum MissingKey {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(
-    validation = Rule::new("self.algorithm == 'Concurrency' || has(self.period)").message("spec.rules[].limit.period is required unless algorithm is Concurrency").field_path(".period"),
     validation = Rule::new("!has(self.burst) || self.algorithm == 'TokenBucket'").message("spec.rules[].limit.burst only applies to algorithm TokenBucket").field_path(".burst"),
     validation = Rule::new("!has(self.maxDelay) || self.algorithm == 'LeakyBucket'").message("spec.rules[].limit.maxDelay only applies to algorithm LeakyBucket").field_path(".maxDelay"),
-    validation = Rule::new("self.algorithm != 'SlidingLog' || self.requests <= 10000").message("spec.rules[].limit.requests must be at most 10000 for SlidingLog (it stores one timestamp per request)").field_path(".requests"),
+    validation = Rule::new("self.algorithm != 'SlidingLog' || !has(self.requests) || self.requests <= 10000").message("spec.rules[].limit.requests must be at most 10000 for SlidingLog (it stores one timestamp per request)").field_path(".requests"),
 )]
 pub struct Limit {
     /// Requests admitted per `period` for each key (for Concurrency: requests in flight at once).

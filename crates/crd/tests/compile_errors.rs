@@ -24,7 +24,7 @@ fn rule(body: &str) -> String {
 /// returns every error as `path: message`.
 fn errors(yaml: &str) -> Vec<String> {
     match parse_yaml_documents(yaml) {
-        Err(e) => vec![e.to_string()],
+        Err(e) => e.errors().iter().map(ToString::to_string).collect(),
         Ok(docs) => {
             assert_eq!(docs.len(), 1, "{yaml}");
             match docs[0].compile() {
@@ -240,12 +240,74 @@ fn unknown_algorithm_names_the_field() {
 }
 
 #[test]
-fn missing_limit_names_the_rule() {
+fn missing_limit_names_the_field() {
     assert_error(
         &rule("    mode: Shadow\n"),
-        "spec.rules[0]",
-        "missing field `limit`",
+        "spec.rules[0].limit",
+        "Required value",
     );
+}
+
+/// A misspelled required field is both unknown and missing: the misspelling, with its
+/// suggestion, comes first, because it is what the user has to fix.
+#[test]
+fn misspelled_required_field_names_the_misspelling_and_suggests_the_field() {
+    for (yaml, typo) in [
+        (
+            rule("    limt: {requests: 1, period: 1s}\n"),
+            "spec.rules[0].limt: unknown field (did you mean `limit`?)",
+        ),
+        (
+            rule("    limit: {reqests: 1, period: 1s}\n"),
+            "spec.rules[0].limit.reqests: unknown field (did you mean `requests`?)",
+        ),
+        (
+            spec("  rulse:\n  - name: r\n    limit: {requests: 1, period: 1s}\n"),
+            "spec.rulse: unknown field (did you mean `rules`?)",
+        ),
+    ] {
+        let errs = errors(&yaml);
+        assert_eq!(errs.first().map(String::as_str), Some(typo), "{errs:#?}");
+        assert!(
+            errs.iter().any(|e| e.ends_with(": Required value")),
+            "{errs:#?}"
+        );
+    }
+    // The admission webhook's entry point says the same.
+    let value: serde_json::Value =
+        serde_norway::from_str(&rule("    limt: {requests: 1, period: 1s}\n")).unwrap();
+    let err = tollgate_crd::decode::from_json(value).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "spec.rules[0].limt: unknown field (did you mean `limit`?); \
+         spec.rules[0].limit: Required value"
+    );
+}
+
+/// The API server checks `required` before admission webhooks run and cannot see preserved
+/// unknown fields, so the schema leaves required fields to admission: only the rules' list-map
+/// key (`name`, which the API server needs to merge the list) stays required under `spec`.
+#[test]
+fn the_schema_leaves_required_fields_to_admission() {
+    let crd = serde_json::to_value(tollgate_crd::crd()).unwrap();
+    let spec = crd
+        .pointer("/spec/versions/0/schema/openAPIV3Schema/properties/spec")
+        .unwrap();
+    let mut required = Vec::new();
+    collect_required(spec, "spec", &mut required);
+    assert_eq!(required, ["spec.rules[].name"]);
+}
+
+fn collect_required(node: &serde_json::Value, path: &str, out: &mut Vec<String>) {
+    for field in node["required"].as_array().into_iter().flatten() {
+        out.push(format!("{path}.{}", field.as_str().unwrap()));
+    }
+    for (k, child) in node["properties"].as_object().into_iter().flatten() {
+        collect_required(child, &format!("{path}.{k}"), out);
+    }
+    if node.get("items").is_some() {
+        collect_required(&node["items"], &format!("{path}[]"), out);
+    }
 }
 
 #[test]

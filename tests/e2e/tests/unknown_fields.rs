@@ -1,4 +1,4 @@
-//! Misspelled RateLimitPolicy fields (issue 16) on a real kube-apiserver, with the real
+//! Misspelled RateLimitPolicy fields on a real kube-apiserver, with the real
 //! `tollgate-controller` binary serving the validating webhook as the chart registers it:
 //!
 //! - the CRD keeps unknown `spec` fields instead of pruning them (`x-kubernetes-preserve-unknown-
@@ -7,7 +7,10 @@
 //!   `Accepted=False` naming the field, and the other policies keep working;
 //! - the webhook denies unknown fields naming their path, whatever field validation the client
 //!   asks for: `Ignore` and `Warn` (what Helm and most GitOps tools send, where the API server
-//!   would otherwise drop the field silently), `Strict`, and a raw POST without the parameter.
+//!   would otherwise drop the field silently), `Strict`, and a raw POST without the parameter;
+//! - a misspelled *required* field (`limt:` for `limit:`) is named with its suggestion too: the
+//!   schema leaves `required` to admission, because the API server checks it before any webhook
+//!   runs and would answer only `spec.rules[0].limit: Required value`.
 //!
 //! Needs the binaries `cargo build -p tollgate-controller` builds (see webhook_and_chart.rs).
 
@@ -71,6 +74,8 @@ fn unknown_fields_are_refused_even_without_strict_field_validation() {
     install_crd(&cp);
     cp.ok(&["create", "namespace", "shop"]);
     const TYPO: &str = "spec.rules[0].limit.burts: unknown field (did you mean `burst`?)";
+    const LIMT: &str = "spec.rules[0].limt: unknown field (did you mean `limit`?)";
+    const NO_LIMIT: &str = "spec.rules[0].limit: Required value";
 
     // --- No webhook yet: the API server stores the misspelled field as written (before this
     // fix it pruned it: `burts` vanished and the policy had no burst, with no warning).
@@ -85,6 +90,16 @@ fn unknown_fields_are_refused_even_without_strict_field_validation() {
     );
     let good = policy("good", json!({"requests": 5, "period": "1s"}));
     kubectl_obj(&cp, &["create"], &good).unwrap();
+    // `limt:` passes the schema (strict field validation, kubectl's default) and is kept, so
+    // admission, or the controller after it, can name it.
+    let mut limt = policy("limt", json!(null));
+    let rule = limt["spec"]["rules"][0].as_object_mut().unwrap();
+    rule.remove("limit");
+    rule.insert("limt".into(), json!({"requests": 5, "period": "1s"}));
+    let mut stored_limt = limt.clone();
+    stored_limt["metadata"]["name"] = json!("stored-limt");
+    kubectl_obj(&cp, &["create", "--validate=strict"], &stored_limt)
+        .expect("the schema refused a policy only admission can explain");
     // Schema checks and `kubectl explain` are unchanged.
     let err = kubectl_obj(
         &cp,
@@ -125,6 +140,16 @@ fn unknown_fields_are_refused_even_without_strict_field_validation() {
     });
     let (_, message) = accepted(&cp, "stored");
     assert!(message.contains(TYPO), "{message}");
+    wait(
+        "status on the misspelled limit",
+        Duration::from_secs(30),
+        || accepted(&cp, "stored-limt").0 == "False",
+    );
+    let (_, message) = accepted(&cp, "stored-limt");
+    assert!(
+        message.contains(LIMT) && message.contains(NO_LIMIT),
+        "{message}"
+    );
 
     // --- The validating webhook as the chart registers it (failurePolicy Fail by default).
     let hook = json!({
@@ -183,6 +208,17 @@ fn unknown_fields_are_refused_even_without_strict_field_validation() {
     );
     let out = cp.kubectl(&["get", "rlp", "typo", "-n", "shop"]);
     assert!(!out.status.success(), "a misspelled policy was stored");
+
+    // `kubectl apply` as a user types it (strict field validation): the misspelled required
+    // field is named, with its suggestion, then the missing one.
+    let err = kubectl_obj(&cp, &["apply"], &limt).unwrap_err();
+    assert!(err.contains("denied the request"), "{err}");
+    assert!(err.contains(LIMT), "{err}");
+    assert!(err.contains(NO_LIMIT), "{err}");
+    assert!(
+        err.find(LIMT) < err.find(NO_LIMIT),
+        "the misspelling should come first: {err}"
+    );
 
     // Correctly spelled, the same policy is admitted.
     let fixed = policy("typo", json!({"requests": 5, "period": "1s", "burst": 5}));
