@@ -78,6 +78,11 @@ impl AuditLog {
         self.identity.load().source.clone()
     }
 
+    /// The identities in force now, and the hot path's key hash under the same secret.
+    pub fn identity(&self) -> arc_swap::Guard<std::sync::Arc<KeyIdentity>> {
+        self.identity.load()
+    }
+
     /// The stable identity (`key_hash`) a counter key has in audit lines and top keys now.
     pub fn key_identity(&self, key: &[u8]) -> u64 {
         self.identity.load().of(key)

@@ -14,14 +14,14 @@ use tollgate_limiter::{Clock, MonotonicClock};
 
 use crate::audit::AuditLog;
 use crate::metrics::Metrics;
-use crate::rules::{KeyHasher, RuleSet, Verdict};
+use crate::rules::{RuleSet, Verdict};
 
 /// State shared by every connection of every edge.
 pub struct Shared {
     pub rules: ArcSwap<RuleSet>,
     pub metrics: Metrics,
     pub clock: MonotonicClock,
-    pub hasher: KeyHasher,
+    /// Also holds the key identities and the hot path's key hash (`audit.identity()`).
     pub audit: AuditLog,
     /// True once a rule set has been loaded.
     pub ready: AtomicBool,
@@ -58,10 +58,12 @@ impl Shared {
     /// request nothing else refused.
     pub async fn decide(&self, rules: &RuleSet, parts: &Parts, peer: &SocketAddr) -> Verdict {
         let started = self.clock.now();
+        let identity = self.audit.identity();
         let mut verdict = KEY_BUF.with(|buf| {
             let mut buf = buf.borrow_mut();
-            rules.decide(parts, peer, started, &mut buf, &self.hasher)
+            rules.decide(parts, peer, started, &mut buf, &identity.hasher)
         });
+        drop(identity);
         if !verdict.pending.is_empty()
             && verdict.rejected.is_none()
             && verdict.unavailable.is_none()
@@ -79,7 +81,6 @@ impl Shared {
             rules: ArcSwap::from_pointee(RuleSet::empty()),
             metrics,
             clock: MonotonicClock::new(),
-            hasher: KeyHasher::random(),
             audit,
             ready: AtomicBool::new(false),
             config_error: ArcSwapOption::empty(),

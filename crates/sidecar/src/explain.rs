@@ -171,7 +171,7 @@ fn key_state(shared: &Shared, active: &ActiveRule, key: &[u8], now: Nanos) -> Va
     let blocked = active
         .blocks
         .as_ref()
-        .and_then(|b| b.remaining(shared.hasher.hash(key), now));
+        .and_then(|b| b.remaining(shared.audit.identity().hasher.hash(key), now));
     if let Some(wait) = blocked {
         return json!({ "tracked": true, "blockedForMs": wait / 1_000_000 });
     }

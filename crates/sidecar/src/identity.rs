@@ -6,7 +6,9 @@
 //! per-installation secret, truncated to 64 bits: the same client has the same identity in
 //! every pod that holds the secret and across restarts, while nobody without the secret can
 //! compute or reverse it (counter keys are API keys and user ids, easy to guess from a list).
-//! It is computed only for rejected requests: the hot path keeps its per-process SipHash.
+//! It is computed only for rejected requests. The hot path's SipHash ([`KeyHasher`]: blocks,
+//! the `pk` partition key, the `Retry-After` jitter) is keyed from the same secret, so it too is
+//! the same in every pod of the installation.
 
 use std::io::Write;
 use std::path::Path;
@@ -14,12 +16,16 @@ use std::path::Path;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+use crate::rules::KeyHasher;
+
 /// Shortest secret accepted: a secret is a key, not a password.
 pub const MIN_SECRET_BYTES: usize = 16;
 /// Bytes of a generated secret (written hex-encoded).
 const GENERATED_SECRET_BYTES: usize = 32;
 /// Domain separation: a secret reused elsewhere yields unrelated values here.
 const CONTEXT: &[u8] = b"tollgate key identity v1\0";
+/// Domain separation of the hot path's SipHash keys from identities.
+const HASHER_CONTEXT: &[u8] = b"tollgate key hasher v1\0";
 
 /// Computes key identities under one secret.
 #[derive(Clone)]
@@ -28,6 +34,8 @@ pub struct KeyIdentity {
     mac: Hmac<Sha256>,
     /// Where the secret came from, for logs and `/debug`: never the secret itself.
     pub source: String,
+    /// The hot path's key hash under the same secret.
+    pub hasher: KeyHasher,
 }
 
 impl KeyIdentity {
@@ -41,7 +49,20 @@ impl KeyIdentity {
         }
         let mac = Hmac::<Sha256>::new_from_slice(secret)
             .map_err(|e| format!("the key-hash secret ({source}): {e}"))?;
-        Ok(KeyIdentity { mac, source })
+        let mut keys = mac.clone();
+        keys.update(HASHER_CONTEXT);
+        let keys = keys.finalize().into_bytes();
+        let word = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&keys[i * 8..i * 8 + 8]);
+            u64::from_le_bytes(w)
+        };
+        let hasher = KeyHasher::with_keys(word(0), word(1));
+        Ok(KeyIdentity {
+            mac,
+            source,
+            hasher,
+        })
     }
 
     /// Identities valid for this process only: for a sidecar given no secret.
@@ -147,6 +168,9 @@ mod tests {
         assert_ne!(a.of(key), a.of(b"customer-2\x1f"));
         assert_eq!(a.of_parts(&["customer-1"]), a.of(key));
         assert_eq!(display(a.of(key)).len(), 16);
+        assert_eq!(a.hasher.hash(key), b.hasher.hash(key));
+        assert_ne!(a.hasher.hash(key), c.hasher.hash(key));
+        assert_ne!(a.hasher.hash(key), a.of(key), "separate domains");
     }
 
     #[test]

@@ -83,8 +83,8 @@ pub fn client_ip_in<'a>(
 /// clients of one bucket spread over the jitter range, while each client's value stays stable.
 pub fn client_seed(parts: &Parts, peer: &SocketAddr, trusted_hops: u32, key_hash: u64) -> u64 {
     use std::hash::{Hash, Hasher};
-    // Fixed keys for the address part; the counter key's hash is per process today (stable
-    // per sidecar), so one client's jitter is stable against one sidecar.
+    // Fixed keys for the address part; the counter key's hash is keyed by the installation's
+    // secret, so one client's jitter is the same against every sidecar of the installation.
     let mut h = siphasher::sip::SipHasher13::new_with_keys(0x746f_6c6c, 0x6761_7465);
     match client_ip(parts, peer, trusted_hops) {
         ClientAddr::Peer(ip) | ClientAddr::Forwarded(ip) => ip.hash(&mut h),

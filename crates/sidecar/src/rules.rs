@@ -839,11 +839,20 @@ pub(crate) fn request_cost(cost: &CompiledCost, parts: &Parts) -> u64 {
     }
 }
 
-/// Keyed hash of counter keys for logs and jitter: stable within a process, not reversible,
-/// and not predictable by clients (random key per process).
+/// Keyed hash of counter keys on the hot path (blocks, top keys, the `pk` partition key, the
+/// `Retry-After` jitter): not reversible and not predictable by clients. Keyed from the
+/// installation's key-hash secret ([`crate::identity::KeyIdentity`]), so one client gets the
+/// same `pk` and the same jitter from every sidecar of the installation; random where no
+/// secret is shared (tests, replays).
+#[derive(Clone)]
 pub struct KeyHasher(siphasher::sip::SipHasher13);
 
 impl KeyHasher {
+    /// A hasher under fixed keys (derived from a secret by the caller).
+    pub fn with_keys(k0: u64, k1: u64) -> Self {
+        KeyHasher(siphasher::sip::SipHasher13::new_with_keys(k0, k1))
+    }
+
     pub fn random() -> Self {
         use std::hash::{BuildHasher, Hasher};
         let rs = std::collections::hash_map::RandomState::new();

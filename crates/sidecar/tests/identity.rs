@@ -257,3 +257,66 @@ async fn a_fail_closed_503_is_audited_with_its_reason() {
     })
     .await;
 }
+
+/// `pk` and `Retry-After` of one client's 429 from a sidecar, for `key`.
+async fn rejection_of(c: &reqwest::Client, sc: &Sidecar, key: &str) -> (String, String) {
+    let mut last = None;
+    for _ in 0..2 {
+        last = Some(
+            c.get(sc.url("/orders"))
+                .header("x-api-key", key)
+                .send()
+                .await
+                .expect("request"),
+        );
+    }
+    let r = last.expect("two requests");
+    assert_eq!(r.status(), 429, "the second request of {key}");
+    let pk = header(&r, "ratelimit")
+        .split(';')
+        .find_map(|p| p.strip_prefix("pk="))
+        .expect("pk in RateLimit")
+        .to_string();
+    (pk, header(&r, "retry-after").to_string())
+}
+
+/// Sidecars sharing the installation's secret give one client the same partition key and the
+/// same `Retry-After` (the jitter is seeded by the key's hash): a client moved to another pod
+/// is not told another story. Another secret gives other partition keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sidecars_sharing_the_secret_give_a_client_one_pk_and_one_retry_after() {
+    within(60, async {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let secret = dir.path().join("key-hash-secret");
+        std::fs::write(&secret, "an installation secret, 32 bytes\n").expect("secret");
+        let other = dir.path().join("other");
+        std::fs::write(&other, "a different secret of 32 bytes..").expect("secret");
+        let upstream = Upstream::start().await;
+        // A 10-minute wait: Retry-After spreads over 121 seconds, so equal values by chance
+        // for six keys are out of the question.
+        let policy = policy(
+            "pk",
+            "partitionKey: true\nrules:\n  - name: per-key\n    scope: Local\n    key: [{header: x-api-key}]\n    limit: {requests: 1, period: 10m}\n",
+        );
+        let start = |file: &std::path::Path| {
+            let args = ["--key-hash-secret-file", file.to_str().expect("path")].map(String::from);
+            let (url, policy) = (upstream.url(), policy.clone());
+            tokio::task::spawn_blocking(move || Sidecar::start_blocking(&url, &policy, &args))
+        };
+        let (a, b, c_other) = (start(&secret), start(&secret), start(&other));
+        let (a, b, c_other) = (a.await.unwrap(), b.await.unwrap(), c_other.await.unwrap());
+        let c = client();
+        let mut retry_afters = std::collections::BTreeSet::new();
+        for n in 0..6 {
+            let key = format!("customer-{n}");
+            let from_a = rejection_of(&c, &a, &key).await;
+            let from_b = rejection_of(&c, &b, &key).await;
+            assert_eq!(from_a, from_b, "{key}: (pk, Retry-After) from two sidecars");
+            let (pk_other, _) = rejection_of(&c, &c_other, &key).await;
+            assert_ne!(from_a.0, pk_other, "{key}: another secret, another pk");
+            retry_afters.insert(from_a.1);
+        }
+        assert!(retry_afters.len() > 1, "jitter still spreads keys: {retry_afters:?}");
+    })
+    .await;
+}
