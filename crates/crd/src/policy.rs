@@ -582,10 +582,33 @@ pub enum HeaderProfile {
     None,
 }
 
+/// One entry of `spec.bypass.cidrs` in the schema: a string the API server checks with CEL's
+/// `isCIDR`. The rule sits on the entry, so the API server's error carries its index
+/// (`spec.bypass.cidrs[2]`), and its message names the value in `check`'s and the webhook's
+/// words (a rule's own error shows only the type: `Invalid value: "string"`).
+struct CidrEntry;
+
+impl JsonSchema for CidrEntry {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "CidrEntry".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 64,
+            "x-kubernetes-validations": [{
+                "rule": "isCIDR(self)",
+                "messageExpression": "'\"' + self + '\" is not a CIDR such as 10.0.0.0/8' + (isIP(self) ? ' (a single address needs a prefix length, e.g. /32 or /128)' : '')",
+            }],
+        })
+    }
+}
+
 /// Requests exempt from every rule of the policy.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("self.cidrs.all(c, isCIDR(c))").message("spec.bypass.cidrs must be CIDRs such as 10.0.0.0/8").field_path(".cidrs"))]
 pub struct Bypass {
     /// Key values that are never limited: a request is exempt from a rule when any key part the
     /// rule extracts equals one of these (e.g. an internal API key).
@@ -595,7 +618,7 @@ pub struct Bypass {
     pub keys: Vec<String>,
     /// Client networks that are never limited, e.g. `10.0.0.0/8`.
     #[serde(default)]
-    #[schemars(length(max = 256), inner(length(min = 1, max = 64)))]
+    #[schemars(with = "Vec<CidrEntry>", length(max = 256))]
     #[x_kube(merge_strategy = ListMerge::Set)]
     pub cidrs: Vec<String>,
     /// How the client address checked against `cidrs` is found; see `clientIP.trustedHops`.

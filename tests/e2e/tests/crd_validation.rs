@@ -132,10 +132,33 @@ fn crd_installs_accepts_examples_and_rejects_mistakes_naming_the_field() {
         }
     }
 
-    // A CIDR that is not one is refused by CEL's isCIDR.
-    let bad_cidr = r#"{"apiVersion":"tollgate.dev/v1alpha1","kind":"RateLimitPolicy","metadata":{"name":"cidr","namespace":"shop"},"spec":{"targetRef":{"selector":{}},"rules":[{"name":"r","limit":{"requests":1,"period":"1s"}}],"bypass":{"cidrs":["10.0.0.1"]}}}"#;
-    let err = cp.apply(bad_cidr).expect_err("bad CIDR accepted");
-    assert!(err.contains("spec.bypass.cidrs"), "{err}");
+    // A CIDR that is not one is refused by CEL's isCIDR, and the API server's own message names
+    // the entry's index and value, as `check` and the webhook do.
+    for (cidrs, needles) in [
+        (
+            r#"["10.0.0.1"]"#,
+            [
+                "spec.bypass.cidrs[0]",
+                r#""10.0.0.1" is not a CIDR such as 10.0.0.0/8 (a single address needs a prefix length"#,
+            ],
+        ),
+        (
+            r#"["10.0.0.0/8","fd00::/8","10.1.2.0/33"]"#,
+            [
+                "spec.bypass.cidrs[2]",
+                r#""10.1.2.0/33" is not a CIDR such as 10.0.0.0/8"#,
+            ],
+        ),
+    ] {
+        let bad_cidr = format!(
+            r#"{{"apiVersion":"tollgate.dev/v1alpha1","kind":"RateLimitPolicy","metadata":{{"name":"cidr","namespace":"shop"}},"spec":{{"targetRef":{{"selector":{{}}}},"rules":[{{"name":"r","limit":{{"requests":1,"period":"1s"}}}}],"bypass":{{"cidrs":{cidrs}}}}}}}"#
+        );
+        let err = cp.apply(&bad_cidr).expect_err("bad CIDR accepted");
+        for needle in needles {
+            assert!(err.contains(needle), "expected {needle:?} in\n{err}");
+        }
+        assert!(!err.contains("cidrs[1]"), "a good entry was named:\n{err}");
+    }
 
     // Printer columns and short name.
     let table = cp.ok(&["get", "rlp", "-n", "shop"]);
