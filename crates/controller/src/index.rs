@@ -150,13 +150,33 @@ pub struct PolicyView {
     pub observed_status: Option<RateLimitPolicyStatus>,
     /// How long ago `compiled` last changed in this replica's index (propagation time).
     pub compiled_age: Duration,
+    /// When every connected selected sidecar first ran `compiled`, the time from the change
+    /// to that moment (the last acknowledgement), and how long ago that was.
+    pub programmed: Option<Programmed>,
+    /// Up to [`LAGGING_NAMED`] connected selected pods that do not run `compiled` yet, by name.
+    pub lagging: Vec<String>,
+}
+
+/// Pods a policy view names among those that have not acknowledged its rules.
+pub const LAGGING_NAMED: usize = 5;
+
+/// When a compiled policy became fully acknowledged (see [`PolicyView::programmed`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Programmed {
+    /// From the change in this replica's index to the acknowledgement that completed it.
+    pub after: Duration,
+    /// How long ago that acknowledgement arrived.
+    pub ago: Duration,
 }
 
 /// What one controller replica tells the others: the pods with an open stream to it and, for
-/// each, the policies it runs as they are now (name → `metadata.generation` it acknowledged).
+/// each, the policies it runs as they are now (`name/uid` → `metadata.generation` it
+/// acknowledged).
 ///
-/// Versions are per replica (they mean nothing to another replica's index); generations are the
-/// API server's, so every replica reads them the same way.
+/// Versions are per replica (they mean nothing to another replica's index); generations and
+/// UIDs are the API server's, so every replica reads them the same way. The UID keeps a policy
+/// deleted and created again under its name (whose generations start over) from passing for
+/// the one it replaced.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MembershipReport {
     /// namespace → pod → policy name → acknowledged generation.
@@ -237,6 +257,8 @@ struct Policy {
     errors: Vec<FieldError>,
     version: u64,
     changed_at: Instant,
+    /// When every connected sidecar it selects (fleet-wide) first ran `compiled`.
+    programmed_at: Option<Instant>,
     /// A change of `compiled` is waiting for every connected sidecar's ack (stream lag).
     lag_pending: bool,
     status: Option<RateLimitPolicyStatus>,
@@ -343,6 +365,16 @@ impl Index {
     /// The UID of the pod now known under this name, if the watch reported one.
     pub fn pod_uid(&self, namespace: &str, pod: &str) -> Option<String> {
         self.namespaces.get(namespace)?.pods.get(pod)?.uid.clone()
+    }
+
+    /// The UID of the policy object the index holds under this name.
+    pub fn policy_uid(&self, namespace: &str, name: &str) -> Option<String> {
+        self.namespaces
+            .get(namespace)?
+            .policies
+            .get(name)?
+            .uid
+            .clone()
     }
 
     pub fn has_pod(&self, namespace: &str, pod: &str) -> bool {
@@ -459,6 +491,7 @@ impl Index {
                 // Set when a version compiles.
                 version: 0,
                 changed_at: now,
+                programmed_at: None,
                 lag_pending: false,
                 status: None,
             });
@@ -491,6 +524,7 @@ impl Index {
         if changed {
             policy.version = v;
             policy.changed_at = now;
+            policy.programmed_at = None;
         }
         if changed || status_changed {
             self.bump_changes();
@@ -506,6 +540,7 @@ impl Index {
         let (changed, created) = self.apply_pod_inner(input.clone(), v);
         if changed {
             self.publish_namespace(&input.namespace);
+            self.note_programmed(&input.namespace);
         }
         self.finish(changed, v);
         if created {
@@ -524,6 +559,7 @@ impl Index {
         };
         if pod.connections > 0 {
             self.publish_namespace(namespace);
+            self.note_programmed(namespace);
         }
         self.gc_namespace(namespace);
         self.bump_changes();
@@ -649,6 +685,7 @@ impl Index {
         let pod_id = pod.id;
         let rx = pod.tx.subscribe();
         self.publish_namespace(namespace);
+        self.note_programmed(namespace);
         let lag = self.check_lag(namespace, pod_name);
         self.bump_changes();
         Some(Subscription {
@@ -674,6 +711,8 @@ impl Index {
         pod.connections -= 1;
         if pod.connections == 0 {
             self.publish_namespace(namespace);
+            // The last sidecar that lagged may just have left.
+            self.note_programmed(namespace);
         }
         self.bump_changes();
     }
@@ -709,7 +748,35 @@ impl Index {
         }
         pod.acked = Some(version);
         self.bump_changes();
+        self.note_programmed(namespace);
         Ok(self.check_lag(namespace, pod_name))
+    }
+
+    /// Stamps the policies of `namespace` that every connected sidecar they select (here or at
+    /// another replica) now runs, for the first time since they changed: the end of their
+    /// propagation, measured when the completing acknowledgement arrives, not when a status
+    /// write gets to it.
+    fn note_programmed(&mut self, namespace: &str) {
+        let Some(ns) = self.namespaces.get_mut(namespace) else {
+            return;
+        };
+        let remote = self.remote.get(namespace);
+        let now = Instant::now();
+        for p in ns.policies.values_mut() {
+            let Some(c) = p.compiled.as_ref().filter(|_| p.programmed_at.is_none()) else {
+                continue;
+            };
+            let sync = sync_counts(
+                &ns.pods,
+                remote,
+                &c.name,
+                &remote_key(c, p.uid.as_deref()),
+                c.generation,
+            );
+            if sync.total > 0 && sync.total == sync.in_sync {
+                p.programmed_at = Some(now);
+            }
+        }
     }
 
     /// For the policies of one pod: which pending changes are now acked by every connected
@@ -731,8 +798,8 @@ impl Index {
                 continue;
             }
             // Lag is this replica's: its own streams, its own acks.
-            let (total, in_sync) = sync_counts(&ns.pods, None, &name, 0);
-            if total > 0 && total == in_sync {
+            let sync = sync_counts(&ns.pods, None, &name, "", 0);
+            if sync.total > 0 && sync.total == sync.in_sync {
                 out.push(policy.changed_at.elapsed());
                 if let Some(p) = ns.policies.get_mut(&name) {
                     p.lag_pending = false;
@@ -753,11 +820,13 @@ impl Index {
                 if pod.connections == 0 {
                     continue;
                 }
+                let uid =
+                    |c: &CompiledPolicy| ns.policies.get(&c.name).and_then(|p| p.uid.as_deref());
                 let acked: BTreeMap<String, i64> = pod
                     .policies
                     .iter()
                     .filter(|(_, since)| pod.acked.is_some_and(|a| a >= *since))
-                    .map(|(c, _)| (c.name.clone(), c.generation))
+                    .map(|(c, _)| (remote_key(c, uid(c)), c.generation))
                     .collect();
                 report
                     .namespaces
@@ -823,6 +892,7 @@ impl Index {
                 self.remote.insert(ns.clone(), merged);
             }
             self.publish_namespace(ns);
+            self.note_programmed(ns);
         }
         self.bump_changes();
     }
@@ -835,24 +905,7 @@ impl Index {
         for (ns_name, ns) in &self.namespaces {
             let remote = self.remote.get(ns_name);
             for (name, p) in &ns.policies {
-                let (total, in_sync) = if let Some(c) = &p.compiled {
-                    sync_counts(&ns.pods, remote, name, c.generation)
-                } else {
-                    (0, 0)
-                };
-                out.push(PolicyView {
-                    namespace: ns_name.clone(),
-                    name: name.clone(),
-                    uid: p.uid.clone(),
-                    generation: p.generation,
-                    errors: p.errors.clone(),
-                    compiled: p.compiled.clone(),
-                    version: p.version,
-                    sidecars_total: total,
-                    sidecars_in_sync: in_sync,
-                    observed_status: p.status.clone(),
-                    compiled_age: p.changed_at.elapsed(),
-                });
+                out.push(view_of(ns_name, name, p, &ns.pods, remote));
             }
         }
         out.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
@@ -863,24 +916,13 @@ impl Index {
     pub fn policy_view(&self, namespace: &str, name: &str) -> Option<PolicyView> {
         let ns = self.namespaces.get(namespace)?;
         let p = ns.policies.get(name)?;
-        let (total, in_sync) = if let Some(c) = &p.compiled {
-            sync_counts(&ns.pods, self.remote.get(namespace), name, c.generation)
-        } else {
-            (0, 0)
-        };
-        Some(PolicyView {
-            namespace: namespace.to_string(),
-            name: name.to_string(),
-            uid: p.uid.clone(),
-            generation: p.generation,
-            errors: p.errors.clone(),
-            compiled: p.compiled.clone(),
-            version: p.version,
-            sidecars_total: total,
-            sidecars_in_sync: in_sync,
-            observed_status: p.status.clone(),
-            compiled_age: p.changed_at.elapsed(),
-        })
+        Some(view_of(
+            namespace,
+            name,
+            p,
+            &ns.pods,
+            self.remote.get(namespace),
+        ))
     }
 
     /// A summary for metrics.
@@ -902,7 +944,7 @@ impl Index {
                     // This replica's streams only, so `sum` over replicas is the fleet.
                     s.connected.insert(
                         format!("{ns_name}/{name}"),
-                        sync_counts(&ns.pods, None, name, 0).0,
+                        sync_counts(&ns.pods, None, name, "", 0).total,
                     );
                 }
             }
@@ -931,6 +973,7 @@ impl Index {
             }
         }
         self.publish_namespace(namespace);
+        self.note_programmed(namespace);
         changed
     }
 
@@ -1026,36 +1069,105 @@ fn recompute_pod(policies: &BTreeMap<String, Policy>, pod: &mut Pod, v: u64) -> 
     !same
 }
 
-/// (connected sidecars holding the policy, those that run it as it is now).
+/// One policy's view for the status writer.
+fn view_of(
+    namespace: &str,
+    name: &str,
+    p: &Policy,
+    pods: &HashMap<String, Pod>,
+    remote: Option<&RemotePods>,
+) -> PolicyView {
+    let sync = match &p.compiled {
+        Some(c) => sync_counts(
+            pods,
+            remote,
+            name,
+            &remote_key(c, p.uid.as_deref()),
+            c.generation,
+        ),
+        None => SyncCounts::default(),
+    };
+    PolicyView {
+        namespace: namespace.to_string(),
+        name: name.to_string(),
+        uid: p.uid.clone(),
+        generation: p.generation,
+        errors: p.errors.clone(),
+        compiled: p.compiled.clone(),
+        version: p.version,
+        sidecars_total: sync.total,
+        sidecars_in_sync: sync.in_sync,
+        observed_status: p.status.clone(),
+        compiled_age: p.changed_at.elapsed(),
+        programmed: p.programmed_at.map(|at| Programmed {
+            after: at.saturating_duration_since(p.changed_at),
+            ago: at.elapsed(),
+        }),
+        lagging: sync.lagging,
+    }
+}
+
+/// How a policy is named in a [`MembershipReport`]: `name/uid` (`name` alone without a UID).
+fn remote_key(compiled: &CompiledPolicy, uid: Option<&str>) -> String {
+    match uid {
+        Some(uid) => format!("{}/{uid}", compiled.name),
+        None => compiled.name.clone(),
+    }
+}
+
+/// Connected sidecars holding a policy, and which of them run it as it is now.
+#[derive(Debug, Default)]
+struct SyncCounts {
+    total: u32,
+    in_sync: u32,
+    /// Up to [`LAGGING_NAMED`] of those not in sync, by pod name, sorted.
+    lagging: Vec<String>,
+}
+
+/// Counts the connected sidecars holding `policy` and those that run it as it is now.
 ///
 /// A pod counts when it has a stream to this replica or, with `remote`, to another one; it is
 /// in sync when it acknowledged, here, a version containing the policy unchanged, or when
-/// another replica reports it runs `generation` (or a later one) of the policy.
+/// another replica reports it runs `generation` (or a later one) of the same policy object
+/// (`remote_key`, which carries its UID).
 fn sync_counts(
     pods: &HashMap<String, Pod>,
     remote: Option<&RemotePods>,
     policy: &str,
+    remote_key: &str,
     generation: i64,
-) -> (u32, u32) {
-    let mut total = 0;
-    let mut in_sync = 0;
+) -> SyncCounts {
+    let mut sync = SyncCounts::default();
     for (pod_name, pod) in pods {
         let elsewhere = remote.and_then(|r| r.get(pod_name));
         if pod.connections == 0 && elsewhere.is_none() {
             continue;
         }
         if let Some((_, since)) = pod.policies.iter().find(|(c, _)| c.name == policy) {
-            total += 1;
+            sync.total += 1;
             let here = pod.connections > 0 && pod.acked.is_some_and(|a| a >= *since);
             let there = elsewhere
-                .and_then(|policies| policies.get(policy))
+                .and_then(|policies| policies.get(remote_key))
                 .is_some_and(|g| *g >= generation);
             if here || there {
-                in_sync += 1;
+                sync.in_sync += 1;
+            } else {
+                name_first(&mut sync.lagging, pod_name);
             }
         }
     }
-    (total, in_sync)
+    sync
+}
+
+/// Keeps the [`LAGGING_NAMED`] alphabetically first names in `names` (sorted), so a status
+/// lists the same pods from one pass to the next.
+fn name_first(names: &mut Vec<String>, name: &str) {
+    if names.len() >= LAGGING_NAMED && names.last().is_some_and(|last| last.as_str() <= name) {
+        return;
+    }
+    let at = names.partition_point(|n| n.as_str() < name);
+    names.insert(at, name.to_string());
+    names.truncate(LAGGING_NAMED);
 }
 
 /// Counts, per policy name, the pods (given as their policies' names) that hold it.

@@ -496,7 +496,14 @@ impl Server {
         {
             return problem(StatusCode::FORBIDDEN, why);
         }
-        match self.inner.config.top_keys.record(&report, Instant::now()) {
+        let index = &self.inner.index;
+        let uid_of = |namespace: &str, name: &str| index.read().policy_uid(namespace, name);
+        match self
+            .inner
+            .config
+            .top_keys
+            .record(&report, &uid_of, Instant::now())
+        {
             Ok(()) => {
                 let mut rsp = Response::new(empty());
                 *rsp.status_mut() = StatusCode::NO_CONTENT;

@@ -1,5 +1,5 @@
-//! Fleet-wide top limited keys: the sidecars' reports merged per policy, for
-//! `status.topLimitedKeys`.
+//! Fleet-wide top limited keys: the sidecars' reports merged per policy object (by UID, so a
+//! policy re-created under its name starts empty), for `status.topLimitedKeys`.
 //!
 //! Every sidecar counts its rejections in a Space-Saving sketch (64 counters) and sends what it
 //! counted since its last report (`POST /v1/top-keys`, [`TopKeysReport`]). This replica adds the
@@ -148,16 +148,23 @@ impl FleetTopKeys {
         self.local.subscribe()
     }
 
-    /// The published top keys of one policy.
-    pub fn of(&self, namespace: &str, name: &str) -> Option<TopLimitedKeys> {
+    /// The published top keys of one policy object (`uid`): a policy deleted and created again
+    /// under its name starts with none of the deleted one's keys.
+    pub fn of(&self, namespace: &str, name: &str, uid: Option<&str>) -> Option<TopLimitedKeys> {
         self.published
             .borrow()
-            .get(&format!("{namespace}/{name}"))
+            .get(&policy_key(namespace, name, uid))
             .cloned()
     }
 
-    /// Adds one sidecar's report, whole or not at all.
-    pub fn record(&self, report: &TopKeysReport, now: Instant) -> Result<(), Refused> {
+    /// Adds one sidecar's report, whole or not at all, counting each key for the policy object
+    /// `uid_of(namespace, policy)` names now (the report itself carries policy names only).
+    pub fn record(
+        &self,
+        report: &TopKeysReport,
+        uid_of: &dyn Fn(&str, &str) -> Option<String>,
+        now: Instant,
+    ) -> Result<(), Refused> {
         if report.keys.len() > MAX_REPORTED_KEYS {
             return Err(Refused::TooManyKeys(report.keys.len()));
         }
@@ -174,7 +181,11 @@ impl FleetTopKeys {
             if key.key_hash.len() != 16 || !key.key_hash.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return Err(Refused::BadKeyHash(key.key_hash.clone()));
             }
-            parsed.push((format!("{ns}/{policy}"), rule, key));
+            parsed.push((
+                policy_key(ns, policy, uid_of(ns, policy).as_deref()),
+                rule,
+                key,
+            ));
         }
         let number = self.slot_number(now);
         let mut slots = self.slots.lock();
@@ -320,6 +331,16 @@ impl FleetTopKeys {
                 .unwrap_or_else(|_| k8s_openapi::jiff::Timestamp::now());
             self.refresh(Instant::now(), &stamp.to_string());
         }
+    }
+}
+
+/// How counts of one policy object are filed: `namespace/name/uid` (or `namespace/name` for
+/// an object without a UID). Shared with the peers in this form, so every replica keeps a
+/// re-created policy's keys apart from those of the one it replaced.
+fn policy_key(namespace: &str, name: &str, uid: Option<&str>) -> String {
+    match uid {
+        Some(uid) => format!("{namespace}/{name}/{uid}"),
+        None => format!("{namespace}/{name}"),
     }
 }
 

@@ -508,7 +508,7 @@ fn reports_of_other_replicas_join_counts_and_status() {
     b.ack("shop", "api-2", on_b.rx.borrow().version, "epoch-1")
         .unwrap();
     let report = b.membership_report();
-    assert_eq!(report.namespaces["shop"]["api-2"]["limits"], 10);
+    assert_eq!(report.namespaces["shop"]["api-2"]["limits/uid-limits"], 10);
     a.set_report("b", report);
     let view = a.policy_view("shop", "limits").unwrap();
     assert_eq!((view.sidecars_total, view.sidecars_in_sync), (2, 1));
@@ -529,4 +529,73 @@ fn reports_of_other_replicas_join_counts_and_status() {
     assert!(!a.remove_report("b"));
     assert_eq!(on_a.rx.borrow().members["shop/limits"], 1);
     assert_eq!(a.summary().peers, 0);
+}
+
+/// Propagation ends at the acknowledgement that completes a change, stamped in the index then
+/// (not when a status pass notices it); the Pending view names the pods that lag.
+#[tokio::test]
+async fn the_completing_ack_stamps_the_propagation_and_lagging_pods_are_named() {
+    let mut index = index_with_pods();
+    index.apply_policy(input(&mk_policy("shop", "limits", "api", 10)));
+    let _a = index.connect("shop", "api-1", None).unwrap();
+    let _b = index.connect("shop", "api-2", None).unwrap();
+    index.apply_policy(input(&mk_policy("shop", "limits", "api", 20)));
+    let v2 = index.version();
+    let view = index.policy_view("shop", "limits").unwrap();
+    assert_eq!(view.programmed, None);
+    assert_eq!(view.lagging, ["api-1", "api-2"]);
+    index.ack("shop", "api-1", v2, "epoch-1").unwrap();
+    let view = index.policy_view("shop", "limits").unwrap();
+    assert_eq!(
+        (view.programmed, view.lagging.as_slice()),
+        (None, ["api-2".to_string()].as_slice())
+    );
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    index.ack("shop", "api-2", v2, "epoch-1").unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let view = index.policy_view("shop", "limits").unwrap();
+    let p = view.programmed.expect("stamped by the last ack");
+    assert!(p.after >= Duration::from_millis(30), "{p:?}");
+    assert!(
+        p.after < Duration::from_millis(200),
+        "measured at the ack, not now: {p:?}"
+    );
+    assert!(p.ago >= Duration::from_millis(200), "{p:?}");
+    assert!(view.lagging.is_empty());
+    // The next change starts a new measurement.
+    index.apply_policy(input(&mk_policy("shop", "limits", "api", 30)));
+    assert_eq!(
+        index.policy_view("shop", "limits").unwrap().programmed,
+        None
+    );
+}
+
+/// A policy deleted and created again under its name starts its generations over: another
+/// replica's report that a pod runs generation 10 of the deleted one must not count it as
+/// running generation 1 of the new one.
+#[test]
+fn a_report_about_a_deleted_policy_does_not_program_its_successor() {
+    let mut a = index_with_pods();
+    let mut b = index_with_pods();
+    for index in [&mut a, &mut b] {
+        index.apply_policy(input(&mk_policy("shop", "limits", "api", 10)));
+    }
+    let on_b = b.connect("shop", "api-2", None).unwrap();
+    b.ack("shop", "api-2", on_b.rx.borrow().version, "epoch-1")
+        .unwrap();
+    a.set_report("b", b.membership_report());
+    let view = a.policy_view("shop", "limits").unwrap();
+    assert_eq!((view.sidecars_total, view.sidecars_in_sync), (1, 1));
+    // Re-created on a (new UID, generation 1); b's report still describes the old object.
+    a.delete_policy("shop", "limits");
+    let mut recreated = input(&mk_policy("shop", "limits", "api", 1));
+    recreated.uid = Some("uid-limits-2".into());
+    a.apply_policy(recreated);
+    let view = a.policy_view("shop", "limits").unwrap();
+    assert_eq!(
+        (view.sidecars_total, view.sidecars_in_sync),
+        (1, 0),
+        "{view:?}"
+    );
+    assert_eq!(view.lagging, ["api-2"]);
 }

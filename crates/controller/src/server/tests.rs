@@ -772,9 +772,9 @@ async fn top_keys_reports_are_merged_or_refused_whole() {
     assert_eq!(post(Some(API1), &huge).await, StatusCode::PAYLOAD_TOO_LARGE);
     top.refresh(Instant::now(), "now");
     let listed = top
-        .of("shop", "limits")
-        .expect("the accepted report is counted");
+        .of("shop", "limits", Some("uid-limits"))
+        .expect("the accepted report is counted for the policy object it names now");
     assert_eq!(listed.keys.len(), 1);
     assert_eq!((listed.keys[0].rejected, listed.keys[0].pod_count), (9, 1));
-    assert!(top.of("bank", "limits").is_none());
+    assert!(top.of("bank", "limits", None).is_none());
 }

@@ -29,6 +29,8 @@ fn view(errors: Vec<FieldError>, compiled: bool, total: u32, in_sync: u32) -> Po
         sidecars_in_sync: in_sync,
         observed_status: None,
         compiled_age: Duration::from_millis(420),
+        programmed: None,
+        lagging: Vec::new(),
     }
 }
 
@@ -78,6 +80,40 @@ fn propagation_is_measured_once_per_generation() {
     });
     let in_flight = desired_status(&next, Some(&again), &time(170));
     assert_eq!(in_flight.propagation, Some(p));
+}
+
+/// The figure is the time to the acknowledgement that completed the change, as the index
+/// stamped it, not the time to the status pass that noticed it (a debounce and the write
+/// interval later).
+#[test]
+fn propagation_ends_at_the_completing_ack_not_at_the_status_write() {
+    let mut done = view(vec![], true, 3, 3);
+    done.compiled_age = Duration::from_millis(1_250);
+    done.programmed = Some(crate::index::Programmed {
+        after: Duration::from_millis(180),
+        ago: Duration::from_millis(2_070),
+    });
+    let p = desired_status(&done, None, &time(1_000))
+        .propagation
+        .expect("measured");
+    assert_eq!(p.duration_millis, 180);
+    assert_eq!(p.completed, time(998).0.to_string(), "when the ack came");
+}
+
+#[test]
+fn pending_names_the_pods_that_lag() {
+    let mut v = view(vec![], true, 9, 2);
+    v.lagging = ["api-0", "api-3", "api-4", "api-5", "api-6"]
+        .map(String::from)
+        .to_vec();
+    let s = desired_status(&v, None, &time(100));
+    let p = cond(&s, conditions::PROGRAMMED);
+    assert!(
+        p.message
+            .ends_with("waiting for api-0, api-3, api-4, api-5, api-6 and 2 more to acknowledge"),
+        "{}",
+        p.message
+    );
 }
 
 #[test]

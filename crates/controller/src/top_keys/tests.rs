@@ -1,4 +1,11 @@
 use super::*;
+
+impl FleetTopKeys {
+    /// Records for policies without a UID.
+    fn record_any(&self, report: &TopKeysReport, now: Instant) -> Result<(), Refused> {
+        self.record(report, &|_, _| None, now)
+    }
+}
 use tollgate_crd::stream::ReportedKey;
 
 fn report(pod: &str, keys: &[(&str, &str, u64, u64)]) -> TopKeysReport {
@@ -24,7 +31,7 @@ const B: &str = "00000000000000bb";
 fn reports_from_several_pods_add_up_per_policy_and_key() {
     let top = FleetTopKeys::new(Duration::from_secs(600));
     let now = Instant::now();
-    top.record(
+    top.record_any(
         &report(
             "api-0",
             &[
@@ -35,12 +42,12 @@ fn reports_from_several_pods_add_up_per_policy_and_key() {
         now,
     )
     .unwrap();
-    top.record(&report("api-1", &[("shop/limits/per-key", A, 30, 0)]), now)
+    top.record_any(&report("api-1", &[("shop/limits/per-key", A, 30, 0)]), now)
         .unwrap();
-    top.record(&report("api-1", &[("shop/other/r", B, 7, 0)]), now)
+    top.record_any(&report("api-1", &[("shop/other/r", B, 7, 0)]), now)
         .unwrap();
     top.refresh(now, "t1");
-    let limits = top.of("shop", "limits").unwrap();
+    let limits = top.of("shop", "limits", None).unwrap();
     assert_eq!(limits.window, "10m");
     assert_eq!(limits.updated, "t1");
     let first = &limits.keys[0];
@@ -54,8 +61,8 @@ fn reports_from_several_pods_add_up_per_policy_and_key() {
     );
     assert_eq!(first.pods, ["api-0", "api-1"]);
     assert_eq!(limits.keys[1].rejected, 5);
-    assert_eq!(top.of("shop", "other").unwrap().keys[0].rejected, 7);
-    assert!(top.of("shop", "nope").is_none());
+    assert_eq!(top.of("shop", "other", None).unwrap().keys[0].rejected, 7);
+    assert!(top.of("shop", "nope", None).is_none());
 }
 
 #[test]
@@ -63,19 +70,19 @@ fn an_unchanged_list_keeps_its_stamp_and_wakes_nobody() {
     let top = FleetTopKeys::new(Duration::from_secs(600));
     let mut rx = top.published();
     let now = Instant::now();
-    top.record(&report("api-0", &[("shop/limits/per-key", A, 3, 0)]), now)
+    top.record_any(&report("api-0", &[("shop/limits/per-key", A, 3, 0)]), now)
         .unwrap();
     top.refresh(now, "t1");
     assert!(rx.has_changed().unwrap());
     rx.borrow_and_update();
     top.refresh(now, "t2");
     assert!(!rx.has_changed().unwrap());
-    assert_eq!(top.of("shop", "limits").unwrap().updated, "t1");
-    top.record(&report("api-0", &[("shop/limits/per-key", A, 1, 0)]), now)
+    assert_eq!(top.of("shop", "limits", None).unwrap().updated, "t1");
+    top.record_any(&report("api-0", &[("shop/limits/per-key", A, 1, 0)]), now)
         .unwrap();
     top.refresh(now, "t3");
     assert!(rx.has_changed().unwrap());
-    assert_eq!(top.of("shop", "limits").unwrap().updated, "t3");
+    assert_eq!(top.of("shop", "limits", None).unwrap().updated, "t3");
 }
 
 #[test]
@@ -83,20 +90,20 @@ fn counts_leave_with_the_window() {
     let window = Duration::from_secs(100);
     let top = FleetTopKeys::new(window);
     let t0 = Instant::now();
-    top.record(&report("api-0", &[("shop/limits/per-key", A, 3, 0)]), t0)
+    top.record_any(&report("api-0", &[("shop/limits/per-key", A, 3, 0)]), t0)
         .unwrap();
-    top.record(
+    top.record_any(
         &report("api-0", &[("shop/limits/per-key", A, 4, 0)]),
         t0 + Duration::from_secs(50),
     )
     .unwrap();
     top.refresh(t0 + Duration::from_secs(95), "t");
-    assert_eq!(top.of("shop", "limits").unwrap().keys[0].rejected, 7);
+    assert_eq!(top.of("shop", "limits", None).unwrap().keys[0].rejected, 7);
     top.refresh(t0 + Duration::from_secs(120), "t");
-    assert_eq!(top.of("shop", "limits").unwrap().keys[0].rejected, 4);
+    assert_eq!(top.of("shop", "limits", None).unwrap().keys[0].rejected, 4);
     top.refresh(t0 + Duration::from_secs(200), "t");
     assert!(
-        top.of("shop", "limits").is_none(),
+        top.of("shop", "limits", None).is_none(),
         "an empty list leaves the status"
     );
 }
@@ -107,15 +114,15 @@ fn a_pod_reports_only_on_its_own_namespace_with_well_formed_hashes() {
     let now = Instant::now();
     let foreign = report("api-0", &[("bank/limits/per-key", A, 3, 0)]);
     assert_eq!(
-        top.record(&foreign, now),
+        top.record_any(&foreign, now),
         Err(Refused::ForeignRule("bank/limits/per-key".into()))
     );
     assert!(matches!(
-        top.record(&report("api-0", &[("shop/limits", A, 3, 0)]), now),
+        top.record_any(&report("api-0", &[("shop/limits", A, 3, 0)]), now),
         Err(Refused::ForeignRule(_))
     ));
     assert!(matches!(
-        top.record(
+        top.record_any(
             &report("api-0", &[("shop/limits/r", "raw-api-key", 3, 0)]),
             now
         ),
@@ -123,7 +130,7 @@ fn a_pod_reports_only_on_its_own_namespace_with_well_formed_hashes() {
     ));
     let many: Vec<(&str, &str, u64, u64)> = vec![("shop/limits/r", A, 1, 0); MAX_REPORTED_KEYS + 1];
     assert!(matches!(
-        top.record(&report("api-0", &many), now),
+        top.record_any(&report("api-0", &many), now),
         Err(Refused::TooManyKeys(_))
     ));
     top.refresh(now, "t");
@@ -147,10 +154,10 @@ fn a_heavy_key_survives_a_flood_of_distinct_keys_within_the_documented_error() {
             .collect();
         keys.push(("shop/limits/r", A, 10, 0));
         let pod = format!("api-{}", round % 7);
-        top.record(&report(&pod, &keys), now).unwrap();
+        top.record_any(&report(&pod, &keys), now).unwrap();
     }
     top.refresh(now, "t");
-    let keys = top.of("shop", "limits").unwrap().keys;
+    let keys = top.of("shop", "limits", None).unwrap().keys;
     assert_eq!(keys.len(), TOP_N);
     let heavy = &keys[0];
     let sent = 10 * hashes.chunks(60).count() as u64;
@@ -165,7 +172,7 @@ fn a_heavy_key_survives_a_flood_of_distinct_keys_within_the_documented_error() {
 fn peers_summaries_join_the_fleet_view_until_they_leave() {
     let top = FleetTopKeys::new(Duration::from_secs(600));
     let now = Instant::now();
-    top.record(&report("api-0", &[("shop/limits/per-key", A, 3, 0)]), now)
+    top.record_any(&report("api-0", &[("shop/limits/per-key", A, 3, 0)]), now)
         .unwrap();
     top.refresh(now, "t");
     let local = top.local().borrow().clone();
@@ -184,10 +191,41 @@ fn peers_summaries_join_the_fleet_view_until_they_leave() {
     );
     top.set_peer("replica-b", peer);
     top.refresh(now, "t2");
-    let k = &top.of("shop", "limits").unwrap().keys[0];
+    let k = &top.of("shop", "limits", None).unwrap().keys[0];
     assert_eq!((k.rejected, k.max_overcount, k.pod_count), (13, 2, 5));
     assert_eq!(k.pods, ["api-0", "api-9"]);
     top.forget_peer("replica-b");
     top.refresh(now, "t3");
-    assert_eq!(top.of("shop", "limits").unwrap().keys[0].rejected, 3);
+    assert_eq!(top.of("shop", "limits", None).unwrap().keys[0].rejected, 3);
+}
+
+#[test]
+fn a_policy_created_again_under_its_name_starts_without_the_old_keys() {
+    let top = FleetTopKeys::new(Duration::from_secs(600));
+    let now = Instant::now();
+    let old = |_: &str, _: &str| Some("uid-1".to_string());
+    top.record(
+        &report("api-0", &[("shop/limits/per-key", A, 9, 0)]),
+        &old,
+        now,
+    )
+    .unwrap();
+    top.refresh(now, "t1");
+    assert_eq!(
+        top.of("shop", "limits", Some("uid-1")).unwrap().keys[0].rejected,
+        9
+    );
+    // Deleted and created again: the new object (uid-2) has rejected nobody yet.
+    assert!(top.of("shop", "limits", Some("uid-2")).is_none());
+    let new = |_: &str, _: &str| Some("uid-2".to_string());
+    top.record(
+        &report("api-0", &[("shop/limits/per-key", B, 2, 0)]),
+        &new,
+        now,
+    )
+    .unwrap();
+    top.refresh(now, "t2");
+    let keys = top.of("shop", "limits", Some("uid-2")).unwrap().keys;
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    assert_eq!((keys[0].key_hash.as_str(), keys[0].rejected), (B, 2));
 }
