@@ -120,6 +120,17 @@ pub struct Args {
     #[arg(long, env = "TOLLGATE_TOP_KEYS_INTERVAL", default_value = "30s", value_parser = parse_flag)]
     pub top_keys_interval: Duration,
 
+    /// How often the leader looks for pods a policy selects that run without the sidecar
+    /// (Events, `status.podsWithoutSidecar`, `tollgate_controller_pods_without_sidecar`).
+    #[arg(long, env = "TOLLGATE_COVERAGE_INTERVAL", default_value = "15s", value_parser = parse_flag)]
+    pub coverage_interval: Duration,
+
+    /// Evict such pods when a ReplicaSet, StatefulSet, DaemonSet or ReplicationController owns
+    /// them, so they come back through the injection webhook (PodDisruptionBudgets apply; one
+    /// pod per owner at a time; an owner whose new pod has no sidecar either is left alone).
+    #[arg(long, env = "TOLLGATE_RESTART_PODS_WITHOUT_SIDECAR", default_value_t = false, action = clap::ArgAction::Set)]
+    pub restart_pods_without_sidecar: bool,
+
     /// How long open streams get to close on shutdown.
     #[arg(long, env = "TOLLGATE_SHUTDOWN_GRACE", default_value = "5s", value_parser = parse_flag)]
     pub shutdown_grace: Duration,

@@ -28,6 +28,7 @@
 
 pub mod args;
 pub mod auth;
+pub mod coverage;
 pub mod index;
 pub mod key_hash;
 pub mod leader;

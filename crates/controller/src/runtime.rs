@@ -20,6 +20,7 @@ use tracing::Instrument;
 
 use crate::args::{Args, LogFormat};
 use crate::auth::TokenReviewAuthenticator;
+use crate::coverage::PodFacts;
 use crate::index::{Index, PodInput, PolicyInput, SharedIndex};
 use crate::leader::{self, LeaseConfig};
 use crate::metrics::Metrics;
@@ -89,6 +90,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let index = Index::shared(epoch);
     let (metrics, mut registry) = Metrics::new(index.clone());
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let pod_table = crate::coverage::PodTable::shared();
+    let coverage_metrics = crate::coverage::CoverageMetrics::register(&mut registry);
 
     // Watches: one per kind and namespace (or one per kind for all namespaces).
     let scopes: Vec<Option<String>> = if args.namespaces.is_empty() {
@@ -118,7 +121,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 client.clone(),
                 scope.clone(),
                 args.pod_selector.clone(),
-                index.clone(),
+                (index.clone(), pod_table.clone()),
                 metrics.clone(),
                 tx,
             )
@@ -240,6 +243,21 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         args.status_min_interval,
     )
     .with_top_keys(Arc::clone(&top_keys));
+    // Pods a policy selects that run without the sidecar (leader only, like status).
+    let coverage = crate::coverage::Coverage::new(
+        client.clone(),
+        index.clone(),
+        pod_table,
+        coverage_metrics,
+        identity.clone(),
+        args.restart_pods_without_sidecar,
+        args.coverage_interval,
+    );
+    tokio::spawn(
+        coverage
+            .run(leader_rx.clone(), shutdown_rx.clone())
+            .instrument(tracing::info_span!("coverage")),
+    );
     let status_task = tokio::spawn(
         writer
             .run(leader_rx, shutdown_rx.clone())
@@ -471,12 +489,13 @@ fn log_compile(input: &PolicyInput, logged: &mut CompileLog) {
     }
 }
 
-/// Feeds pod metadata (labels only) into the index.
+/// Feeds pod metadata into the index (labels) and the coverage table (labels, the injection
+/// annotations, the owner).
 async fn watch_pods(
     client: kube::Client,
     scope: Option<String>,
     selector: Option<String>,
-    index: SharedIndex,
+    (index, table): (SharedIndex, crate::coverage::SharedPodTable),
     metrics: Metrics,
     synced: watch::Sender<bool>,
 ) {
@@ -491,6 +510,7 @@ async fn watch_pods(
     }
     let mut stream = pin!(watcher::watcher(api, config).default_backoff());
     let mut buffer: Vec<PodInput> = Vec::new();
+    let mut facts: Vec<PodFacts> = Vec::new();
     while let Some(event) = stream.next().await {
         match event {
             Ok(Event::Apply(obj)) => {
@@ -498,18 +518,31 @@ async fn watch_pods(
                     index.write().apply_pod(input);
                     metrics.watch_event("pod", "apply");
                 }
+                if let Some(f) = PodFacts::from_metadata(&obj.metadata) {
+                    table.lock().apply(f);
+                }
             }
             Ok(Event::Delete(obj)) => {
                 if let (Some(ns), Some(name)) = (&obj.metadata.namespace, &obj.metadata.name) {
                     index.write().delete_pod(ns, name);
+                    table.lock().delete(ns, name);
                     metrics.watch_event("pod", "delete");
                 }
             }
-            Ok(Event::Init) => buffer.clear(),
-            Ok(Event::InitApply(obj)) => buffer.extend(pod_input(&obj)),
+            Ok(Event::Init) => {
+                buffer.clear();
+                facts.clear();
+            }
+            Ok(Event::InitApply(obj)) => {
+                buffer.extend(pod_input(&obj));
+                facts.extend(PodFacts::from_metadata(&obj.metadata));
+            }
             Ok(Event::InitDone) => {
                 let items = std::mem::take(&mut buffer);
                 let n = items.len();
+                table
+                    .lock()
+                    .reset(scope.as_deref(), std::mem::take(&mut facts));
                 index.write().reset_pods(scope.as_deref(), items);
                 metrics.watch_event("pod", "resync");
                 tracing::info!(pods = n, "pods listed");

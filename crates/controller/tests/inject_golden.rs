@@ -49,7 +49,7 @@ fn case(name: &str, namespace_opted_in: bool, cfg: &InjectConfig) -> (Option<Ski
     let input = read(&format!("{name}.pod.json"));
     let outcome = inject::inject(&input, namespace_opted_in, cfg).expect("pod decodes");
     let (skip, patch) = match outcome {
-        Outcome::Injected(p) => (None, p),
+        Outcome::Injected(p, _) => (None, p),
         Outcome::Skipped(s) => (Some(s), json_patch::Patch(Vec::new())),
     };
     golden(

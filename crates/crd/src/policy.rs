@@ -661,6 +661,11 @@ pub struct RateLimitPolicyStatus {
     /// How long the last accepted generation took to reach every selected sidecar.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub propagation: Option<Propagation>,
+    /// Pods the policy selects that run without the sidecar (created while the injection
+    /// webhook did not answer), so the policy does not limit their traffic. Written by the
+    /// leader with the `SidecarsInjected` condition.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pods_without_sidecar: Option<u32>,
 }
 
 /// The time from the leader compiling a generation to every connected sidecar the policy

@@ -470,6 +470,39 @@ fn redis_sentinel_reaches_the_injected_sidecars() {
     assert!(!out.contains("--sidecar-redis-cluster"));
 }
 
+#[test]
+fn pod_eviction_is_granted_only_when_restarts_are_opted_in() {
+    let rbac = |set: &str| {
+        helm_template(set, &["--show-only", "templates/rbac.yaml"])
+            .split("\n---")
+            .find(|doc| {
+                doc.contains("name: tollgate-controller\n") && doc.contains("kind: ClusterRole\n")
+            })
+            .unwrap_or_else(|| panic!("no ClusterRole tollgate-controller"))
+            .to_string()
+    };
+    let off = rbac("controller.restartPodsWithoutSidecar=false");
+    assert!(!off.contains("pods/eviction"), "{off}");
+    let on = rbac("controller.restartPodsWithoutSidecar=true");
+    assert!(
+        on.contains("resources: [pods/eviction]\n    verbs: [create]"),
+        "{on}"
+    );
+    let deploy = helm_template(
+        "controller.restartPodsWithoutSidecar=true",
+        &["--show-only", "templates/deployment.yaml"],
+    );
+    assert!(
+        deploy.contains("--restart-pods-without-sidecar=true"),
+        "{deploy}"
+    );
+    let deploy = helm_template("replicas=2", &["--show-only", "templates/deployment.yaml"]);
+    assert!(
+        !deploy.contains("--restart-pods-without-sidecar"),
+        "{deploy}"
+    );
+}
+
 // === the cluster test ===
 
 /// The chart's webhook configurations rendered as JSON, pointed at `https://127.0.0.1:<port>`
@@ -1075,4 +1108,217 @@ fn chart_installs_and_the_controller_injects_sidecars_and_validates_policies() {
     );
     ctl.assert_running();
     ss.assert_running();
+}
+
+// === pods created while the webhook does not answer ===
+
+/// Events of `reason` about object `name` in `ns` (events.k8s.io, as the controller writes).
+fn events(cp: &ControlPlane, ns: &str, reason: &str) -> Vec<Value> {
+    let list = get_json(cp, &["-n", ns, "get", "events.events.k8s.io"]);
+    list["items"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| e["reason"] == reason)
+        .collect()
+}
+
+fn event_about<'a>(events: &'a [Value], name: &str) -> Option<&'a Value> {
+    events.iter().find(|e| e["regarding"]["name"] == name)
+}
+
+fn metric(port: u16, name: &str) -> Option<f64> {
+    let out = Command::new("curl")
+        .args([
+            "-fsS",
+            "-m",
+            "2",
+            &format!("http://127.0.0.1:{port}/metrics"),
+        ])
+        .output()
+        .ok()?;
+    text(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+#[test]
+fn pods_created_while_the_webhook_is_down_are_refused_where_required_reported_and_restarted() {
+    let cp = ControlPlane::start();
+    let work = tempfile::tempdir().unwrap();
+    tollgate_e2e::install_crd(&cp);
+
+    // The chart's injection webhooks, pointed at a port nobody listens on yet.
+    let pki = PathBuf::from(&cp.env["K8S_CA_FILE"])
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let ca = std::fs::read(pki.join("ca.crt")).unwrap();
+    let port = free_port();
+    for cfg in chart_webhooks_as_urls(&cp, port, &ca, "outage") {
+        if cfg["kind"] == "MutatingWebhookConfiguration" {
+            create(&cp, &cfg, false).unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+    cp.ok(&["create", "namespace", "shop"]);
+    cp.ok(&["label", "namespace", "shop", "tollgate.dev/inject=enabled"]);
+    cp.ok(&["create", "namespace", "strict"]);
+    cp.ok(&[
+        "label",
+        "namespace",
+        "strict",
+        "tollgate.dev/inject=required",
+    ]);
+
+    // A ReplicaSet object (no controller-manager runs: its pods are made by hand) owning api-1.
+    let rs = create(
+        &cp,
+        &json!({
+            "apiVersion": "apps/v1", "kind": "ReplicaSet",
+            "metadata": {"name": "api", "namespace": "shop"},
+            "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "api"}},
+                "template": pod("x", "shop", json!({"app": "api"}), json!({}))
+                    .as_object().unwrap().iter()
+                    .filter(|(k, _)| *k == "metadata" || *k == "spec")
+                    .map(|(k, v)| (k.clone(), v.clone())).collect::<serde_json::Map<_, _>>()}
+        }),
+        false,
+    )
+    .unwrap();
+    let mut owned = pod("api-1", "shop", json!({"app": "api"}), json!({}));
+    owned["metadata"]["ownerReferences"] = json!([{
+        "apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "api",
+        "uid": rs["metadata"]["uid"], "controller": true
+    }]);
+    // The webhook does not answer: failurePolicy Ignore admits the pods bare ...
+    for p in [
+        owned,
+        pod("api-2", "shop", json!({"app": "api"}), json!({})),
+        pod(
+            "batch-1",
+            "shop",
+            json!({"app": "api"}),
+            json!({"tollgate.dev/inject": "disabled"}),
+        ),
+        pod("web-1", "shop", json!({"app": "web"}), json!({})),
+    ] {
+        let created = create(&cp, &p, false).unwrap_or_else(|e| panic!("{e}"));
+        assert!(sidecar_of(&created).is_none(), "{created:#}");
+    }
+    // ... while a namespace that requires the sidecar refuses them.
+    let err = create(&cp, &pod("api-1", "strict", json!({}), json!({})), false).unwrap_err();
+    assert!(err.contains("required.inject.tollgate.dev"), "{err}");
+    create(&cp, &policy("api", "shop", json!({"prefix": "/"})), false)
+        .map(|_| ())
+        .unwrap_or_else(|e| panic!("{e}"));
+    cp.ok(&[
+        "-n",
+        "shop",
+        "patch",
+        "rlp",
+        "api",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"targetRef":{"selector":{"matchLabels":{"app":"api"}}}}}"#,
+    ]);
+
+    // The controller comes back (serving the webhook on that port).
+    let certs = work.path().join("certs");
+    std::fs::create_dir_all(&certs).unwrap();
+    std::fs::copy(pki.join("webhook.crt"), certs.join("tls.crt")).unwrap();
+    std::fs::copy(pki.join("webhook.key"), certs.join("tls.key")).unwrap();
+    let stream = free_port();
+    let mut args: Vec<String> = vec![
+        format!("--listen=127.0.0.1:{stream}"),
+        format!("--webhook-listen=127.0.0.1:{port}"),
+        format!("--webhook-cert-dir={}", certs.display()),
+        "--leader-election=false".into(),
+        "--peer-membership=false".into(),
+        "--coverage-interval=1s".into(),
+        "--sidecar-image=registry.example/tollgate-sidecar:e2e".into(),
+    ];
+    let mut ctl = Controller::start("controller-report", &cp.kubeconfig(), &args, work.path());
+
+    // Each bare pod the policy selects gets an Event; the opted-out and unselected ones not.
+    let missing = wait_for("SidecarMissing events", Duration::from_secs(60), || {
+        ctl.assert_running();
+        let ev = events(&cp, "shop", "SidecarMissing");
+        (event_about(&ev, "api-1").is_some() && event_about(&ev, "api-2").is_some()).then_some(ev)
+    });
+    assert_eq!(missing[0]["type"], "Warning");
+    assert!(
+        missing[0]["note"]
+            .as_str()
+            .unwrap()
+            .contains("RateLimitPolicy api selects this pod"),
+        "{:#}",
+        missing[0]
+    );
+    assert!(event_about(&missing, "batch-1").is_none());
+    assert!(event_about(&missing, "web-1").is_none());
+    // The policy tells it in its status and an Event; the metric counts the pods.
+    let status = wait_for("status.podsWithoutSidecar", Duration::from_secs(30), || {
+        let p = get_json(&cp, &["-n", "shop", "get", "rlp", "api"]);
+        (p["status"]["podsWithoutSidecar"] == 2).then(|| p["status"].clone())
+    });
+    let cond = status["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "SidecarsInjected")
+        .unwrap_or_else(|| panic!("{status:#}"))
+        .clone();
+    assert_eq!(cond["status"], "False");
+    assert_eq!(cond["reason"], "PodsWithoutSidecar");
+    assert!(
+        cond["message"].as_str().unwrap().contains("api-1, api-2"),
+        "{cond:#}"
+    );
+    assert!(event_about(&events(&cp, "shop", "PodsWithoutSidecar"), "api").is_some());
+    assert_eq!(
+        metric(stream, "tollgate_controller_pods_without_sidecar"),
+        Some(2.0)
+    );
+
+    // The webhook answers again: the required namespace admits pods, with the sidecar; a pod
+    // with a second port is admitted with a warning naming it, and an Event on the pod.
+    let p = wait_for(
+        "the required namespace to admit pods",
+        Duration::from_secs(30),
+        || create(&cp, &pod("api-1", "strict", json!({}), json!({})), false).ok(),
+    );
+    assert!(sidecar_of(&p).is_some(), "{p:#}");
+    let mut two_ports = pod("metrics-1", "shop", json!({"app": "web"}), json!({}));
+    two_ports["spec"]["containers"][0]["ports"] = json!([{"name": "http", "containerPort": 8080}, {"name": "metrics", "containerPort": 9090}]);
+    let out = cp.kubectl_stdin(&["create", "-f", "-"], Some(&two_ports.to_string()));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let warning = text(&out.stderr);
+    assert!(
+        warning.contains("only port 8080 is behind the rate-limiting sidecar")
+            && warning.contains("metrics:9090"),
+        "{warning}"
+    );
+    wait_for("an UnprotectedPorts event", Duration::from_secs(30), || {
+        event_about(&events(&cp, "shop", "UnprotectedPorts"), "metrics-1").map(|_| ())
+    });
+
+    // Opted in to restarts: the owned pod is evicted (its owner would re-create it through
+    // the webhook); the pod nothing owns is only reported.
+    drop(ctl);
+    args.push("--restart-pods-without-sidecar=true".into());
+    let mut ctl = Controller::start("controller-restart", &cp.kubeconfig(), &args, work.path());
+    wait_for("api-1 to be evicted", Duration::from_secs(60), || {
+        ctl.assert_running();
+        let out = cp.kubectl(&["-n", "shop", "get", "pod", "api-1", "-o", "name"]);
+        (!out.status.success() && text(&out.stderr).contains("NotFound")).then_some(())
+    });
+    wait_for("podsWithoutSidecar 1", Duration::from_secs(30), || {
+        let p = get_json(&cp, &["-n", "shop", "get", "rlp", "api"]);
+        (p["status"]["podsWithoutSidecar"] == 1).then_some(())
+    });
+    cp.ok(&["-n", "shop", "get", "pod", "api-2"]);
+    assert!(event_about(&events(&cp, "shop", "SidecarMissingEvicted"), "api-1").is_some());
+    ctl.assert_running();
 }

@@ -37,6 +37,10 @@ pub const REWRITE_PORT: &str = "tollgate.dev/rewrite-port";
 pub const DRAIN_DELAY: &str = "tollgate.dev/drain-delay";
 /// Pod annotation written on injection: the sidecar's version.
 pub const SIDECAR_VERSION: &str = "tollgate.dev/sidecar-version";
+/// Pod annotation written on injection when app containers declare TCP ports besides the one
+/// the sidecar forwards to: those ports (`name:port` or `port`, comma-separated) reach the app
+/// without any limit. The controller turns it into a Warning Event on the pod.
+pub const UNPROTECTED_PORTS: &str = "tollgate.dev/unprotected-ports";
 /// Value of [`INJECT`] that opts in.
 pub const ENABLED: &str = "enabled";
 /// Value of [`INJECT`] that opts out; it wins over every opt-in.
@@ -421,6 +425,24 @@ pub struct Plan {
     pub rewrite: Option<PortRewrite>,
     /// Seconds of `preStop` sleep for app containers without a `preStop`; 0 for none.
     pub drain_delay_seconds: i64,
+    /// Declared TCP ports of app containers other than `upstream_port` (`name:port` or
+    /// `port`): traffic to them bypasses the sidecar.
+    pub unprotected_ports: Vec<String>,
+}
+
+impl Plan {
+    /// The admission warning naming the ports that bypass the sidecar, if any.
+    pub fn unprotected_ports_warning(&self) -> Option<String> {
+        if self.unprotected_ports.is_empty() {
+            return None;
+        }
+        Some(format!(
+            "tollgate: only port {} is behind the rate-limiting sidecar; traffic to {} reaches \
+             the app without limits (see docs/install.md, \"Pods with several ports\")",
+            self.upstream_port,
+            self.unprotected_ports.join(", ")
+        ))
+    }
 }
 
 /// Reads an opt-in/out value from the pod's annotations and labels.
@@ -521,7 +543,30 @@ pub fn decide(pod: &Pod, namespace_opted_in: bool, cfg: &InjectConfig) -> Result
         upstream_port,
         rewrite,
         drain_delay_seconds: drain_delay(pod, spec, cfg)?,
+        unprotected_ports: unprotected_ports(spec, upstream_port),
     })
+}
+
+/// The app containers' declared TCP ports other than the one the sidecar forwards to. Only
+/// declared ports are known here; an app may listen on more.
+fn unprotected_ports(spec: &k8s_openapi::api::core::v1::PodSpec, upstream: u16) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let tcp = spec
+        .containers
+        .iter()
+        .flat_map(|c| c.ports.iter().flatten())
+        .filter(|p| p.protocol.as_deref().unwrap_or("TCP") == "TCP")
+        .filter(|p| port_number(p) != upstream);
+    for p in tcp {
+        let label = match &p.name {
+            Some(name) if !name.is_empty() => format!("{name}:{}", p.container_port),
+            _ => p.container_port.to_string(),
+        };
+        if !out.contains(&label) {
+            out.push(label);
+        }
+    }
+    out
 }
 
 /// Why app containers get a `preStop` sleep: a deleted pod is taken out of Service endpoints
@@ -785,15 +830,23 @@ pub fn patch(raw: &Value, pod: &Pod, cfg: &InjectConfig, plan: &Plan) -> Patch {
     let mut ops = Vec::new();
     let present = |p: &str| raw.pointer(p).is_some_and(|v| !v.is_null());
 
+    let mut annotations = BTreeMap::new();
+    annotations.insert(SIDECAR_VERSION, cfg.version.clone());
+    if !plan.unprotected_ports.is_empty() {
+        annotations.insert(UNPROTECTED_PORTS, plan.unprotected_ports.join(","));
+    }
     if present("/metadata/annotations") {
-        ops.push(add(
-            ptr(["metadata", "annotations", SIDECAR_VERSION]),
-            Value::String(cfg.version.clone()),
-        ));
+        for (key, value) in annotations {
+            ops.push(add(
+                ptr(["metadata", "annotations", key]),
+                Value::String(value),
+            ));
+        }
     } else {
-        let mut m = BTreeMap::new();
-        m.insert(SIDECAR_VERSION, cfg.version.clone());
-        ops.push(add(ptr(["metadata", "annotations"]), serde_json::json!(m)));
+        ops.push(add(
+            ptr(["metadata", "annotations"]),
+            serde_json::json!(annotations),
+        ));
     }
 
     if let Some(r) = &plan.rewrite {
@@ -924,7 +977,8 @@ pub fn patch(raw: &Value, pod: &Pod, cfg: &InjectConfig, plan: &Plan) -> Patch {
 /// The outcome of one pod admission.
 #[derive(Debug)]
 pub enum Outcome {
-    Injected(Patch),
+    /// The patch, and admission warnings for the pod's owner.
+    Injected(Patch, Vec<String>),
     Skipped(Skip),
 }
 
@@ -936,7 +990,10 @@ pub fn inject(
 ) -> Result<Outcome, serde_json::Error> {
     let pod: Pod = serde_json::from_value(raw.clone())?;
     Ok(match decide(&pod, namespace_opted_in, cfg) {
-        Ok(plan) => Outcome::Injected(patch(raw, &pod, cfg, &plan)),
+        Ok(plan) => Outcome::Injected(
+            patch(raw, &pod, cfg, &plan),
+            plan.unprotected_ports_warning().into_iter().collect(),
+        ),
         Err(skip) => Outcome::Skipped(skip),
     })
 }
@@ -1045,6 +1102,41 @@ mod tests {
             ),
             "{text}"
         );
+    }
+
+    #[test]
+    fn ports_besides_the_upstream_are_named_as_unprotected() {
+        let cfg = InjectConfig::example();
+        let mut v = app(json!([
+            {"name":"http","containerPort":8080},
+            {"name":"metrics","containerPort":9090},
+            {"containerPort":5353,"protocol":"UDP"},
+            {"containerPort":8443}
+        ]));
+        v["spec"]["containers"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"name":"admin","image":"a","ports":[{"containerPort":7000}]}));
+        let (raw, p) = pod(v);
+        let plan = decide(&p, true, &cfg).unwrap();
+        assert_eq!(plan.upstream_port, 8080);
+        assert_eq!(plan.unprotected_ports, ["metrics:9090", "8443", "7000"]);
+        let warning = plan.unprotected_ports_warning().unwrap();
+        assert!(
+            warning.contains("only port 8080") && warning.contains("metrics:9090, 8443, 7000"),
+            "{warning}"
+        );
+        let text = serde_json::to_string(&patch(&raw, &p, &cfg, &plan)).unwrap();
+        assert!(
+            text.contains(r#""tollgate.dev/unprotected-ports":"metrics:9090,8443,7000""#),
+            "{text}"
+        );
+        // One port: nothing to warn about, no annotation.
+        let (raw, p) = pod(app(json!([{"containerPort":8080}])));
+        let plan = decide(&p, true, &cfg).unwrap();
+        assert_eq!(plan.unprotected_ports_warning(), None);
+        let text = serde_json::to_string(&patch(&raw, &p, &cfg, &plan)).unwrap();
+        assert!(!text.contains(UNPROTECTED_PORTS), "{text}");
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //!
 //! ```text
 //!  kube-apiserver ──POST AdmissionReview──▶ /inject/namespace   pod CREATE, namespace labelled
+//!                                          /inject/required    pod CREATE, namespace labelled
+//!                                                              `required` (failurePolicy Fail)
 //!                                          /inject/pod         pod CREATE, any other namespace
 //!                                          /validate-ratelimitpolicy   CREATE/UPDATE
 //!                                          /healthz
@@ -21,8 +23,18 @@
 //! time, so there is no cache to go stale and no RBAC on namespaces. The handler re-checks the
 //! pod's own label/annotation and the opt-out in both cases.
 //!
-//! Pod admission never fails: an error or a pod that cannot be injected is admitted unchanged
-//! (with a warning kubectl prints when the pod asked for injection).
+//! A third entry serves namespaces labelled `tollgate.dev/inject: required` on
+//! `/inject/required`, with `failurePolicy: Fail`: there a pod is never created without the
+//! sidecar. While no controller answers, the API server refuses the pod (its ReplicaSet retries);
+//! a pod that cannot be injected (no port, a bad annotation) is denied with the reason. The
+//! release namespace and `kube-system` & co. are never selected, so the controller can always
+//! start again. Pods that opt out (`tollgate.dev/inject: disabled`) are still admitted.
+//!
+//! Elsewhere pod admission never fails: an error or a pod that cannot be injected is admitted
+//! unchanged (with a warning kubectl prints when the pod asked for injection), and pods created
+//! while no controller answers get no sidecar; the controller finds those when it is back
+//! ([`crate::coverage`]). An injected pod whose app declares more TCP ports than the one the
+//! sidecar forwards to is admitted with a warning naming the ports that bypass it.
 
 pub mod args;
 pub mod certs;
@@ -56,6 +68,9 @@ use self::validate::Verdict;
 
 /// Path of the injection webhook for namespaces labelled `tollgate.dev/inject: enabled`.
 pub const PATH_INJECT_NAMESPACE: &str = "/inject/namespace";
+/// Path of the fail-closed injection webhook for namespaces labelled
+/// `tollgate.dev/inject: required`.
+pub const PATH_INJECT_REQUIRED: &str = "/inject/required";
 /// Path of the injection webhook for all other namespaces (pod-level opt-in only).
 pub const PATH_INJECT_POD: &str = "/inject/pod";
 /// Path of the RateLimitPolicy validating webhook.
@@ -157,9 +172,15 @@ impl Handler {
         let kind = match path {
             PATH_INJECT_NAMESPACE => Kind::Inject {
                 namespace_opted_in: true,
+                required: false,
+            },
+            PATH_INJECT_REQUIRED => Kind::Inject {
+                namespace_opted_in: true,
+                required: true,
             },
             PATH_INJECT_POD | "/inject" => Kind::Inject {
                 namespace_opted_in: false,
+                required: false,
             },
             PATH_VALIDATE_POLICY => Kind::Validate,
             _ => return None,
@@ -186,16 +207,22 @@ impl Handler {
             }
         };
         let res = match kind {
-            Kind::Inject { namespace_opted_in } => self.mutate(&req, namespace_opted_in),
+            Kind::Inject {
+                namespace_opted_in,
+                required,
+            } => self.mutate(&req, namespace_opted_in, required),
             Kind::Validate => self.validate(&req),
         };
         Some(res.into_review())
     }
 
+    /// `required`: the namespace asked that no pod run without the sidecar, so a pod that
+    /// asked for it (or did not opt out) and cannot get it is denied rather than admitted bare.
     fn mutate(
         &self,
         req: &AdmissionRequest<DynamicObject>,
         namespace_opted_in: bool,
+        required: bool,
     ) -> AdmissionResponse {
         let mut res = AdmissionResponse::from(req);
         let is_pod_create = req.operation == Operation::Create
@@ -217,17 +244,32 @@ impl Handler {
         let outcome = serde_json::to_value(obj)
             .and_then(|raw| inject::inject(&raw, namespace_opted_in, &self.inject_config()));
         match outcome {
-            Ok(Outcome::Injected(patch)) => match res.clone().with_patch(patch) {
-                Ok(patched) => {
+            Ok(Outcome::Injected(patch, warnings)) => match res.clone().with_patch(patch) {
+                Ok(mut patched) => {
                     self.metrics.review("inject", "injected");
-                    tracing::info!(%namespace, pod = %name, dry_run = req.dry_run, "sidecar injected");
+                    tracing::info!(%namespace, pod = %name, dry_run = req.dry_run, unprotected = ?warnings, "sidecar injected");
+                    if !warnings.is_empty() {
+                        patched.warnings = Some(warnings);
+                    }
                     res = patched;
                 }
                 Err(error) => {
                     self.metrics.review("inject", "error");
-                    tracing::warn!(%namespace, pod = %name, %error, "cannot serialize the patch; pod admitted unchanged");
+                    tracing::warn!(%namespace, pod = %name, %error, required, "cannot serialize the patch");
+                    if required {
+                        res =
+                            res.deny(format!("tollgate: cannot build the sidecar patch: {error}"));
+                    }
                 }
             },
+            Ok(Outcome::Skipped(skip)) if required && skip.warns() => {
+                self.metrics.review("inject", "denied");
+                tracing::info!(%namespace, pod = %name, reason = %skip, "pod denied: its namespace requires the sidecar");
+                res = res.deny(format!(
+                    "tollgate: namespace {namespace} requires the rate-limiting sidecar \
+                     (tollgate.dev/inject: required) and it cannot be injected: {skip}"
+                ));
+            }
             Ok(Outcome::Skipped(skip)) => {
                 self.metrics.review("inject", skip.reason());
                 if skip.warns() {
@@ -236,6 +278,14 @@ impl Handler {
                 } else {
                     tracing::debug!(%namespace, pod = %name, reason = %skip, "sidecar not injected");
                 }
+            }
+            Err(error) if required => {
+                self.metrics.review("inject", "denied");
+                tracing::warn!(%namespace, pod = %name, %error, "cannot decode the pod; denied (namespace requires the sidecar)");
+                res = res.deny(format!(
+                    "tollgate: namespace {namespace} requires the rate-limiting sidecar and the \
+                     pod cannot be decoded: {error}"
+                ));
             }
             Err(error) => {
                 self.metrics.review("inject", "error");
@@ -317,7 +367,10 @@ impl Handler {
 
 #[derive(Clone, Copy)]
 enum Kind {
-    Inject { namespace_opted_in: bool },
+    Inject {
+        namespace_opted_in: bool,
+        required: bool,
+    },
     Validate,
 }
 

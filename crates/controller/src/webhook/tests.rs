@@ -139,6 +139,68 @@ fn an_https_controller_url_gives_sidecars_the_current_ca() {
 }
 
 #[test]
+fn ports_the_sidecar_does_not_cover_are_named_in_a_warning() {
+    let h = handler();
+    let mut p = pod(json!({}));
+    p["spec"]["containers"][0]["ports"] =
+        json!([{"name":"http","containerPort":8080},{"name":"metrics","containerPort":9090}]);
+    let body = review(PATH_INJECT_NAMESPACE, ("", "v1", "Pod"), "CREATE", p);
+    let r = response(h.review(PATH_INJECT_NAMESPACE, &body).unwrap());
+    assert!(r["patch"].is_array(), "{r}");
+    let w = r["warnings"][0].as_str().unwrap();
+    assert!(
+        w.contains("only port 8080") && w.contains("metrics:9090"),
+        "{w}"
+    );
+    assert!(
+        patch_ops(&r).iter().any(|op| op["path"]
+            == "/metadata/annotations/tollgate.dev~1unprotected-ports"
+            && op["value"] == "metrics:9090"),
+        "{r}"
+    );
+}
+
+#[test]
+fn a_namespace_that_requires_the_sidecar_denies_pods_that_cannot_get_it() {
+    let h = handler();
+    // Injected as usual.
+    let body = review(
+        PATH_INJECT_REQUIRED,
+        ("", "v1", "Pod"),
+        "CREATE",
+        pod(json!({})),
+    );
+    let r = response(h.review(PATH_INJECT_REQUIRED, &body).unwrap());
+    assert_eq!(r["allowed"], true);
+    assert!(r["patch"].is_array(), "{r}");
+    // No port to forward to: denied with the reason, where the other paths admit it bare.
+    let mut p = pod(json!({}));
+    p["spec"]["containers"][0]["ports"] = json!([]);
+    let body = review(PATH_INJECT_REQUIRED, ("", "v1", "Pod"), "CREATE", p.clone());
+    let r = response(h.review(PATH_INJECT_REQUIRED, &body).unwrap());
+    assert_eq!(r["allowed"], false, "{r}");
+    let msg = r["status"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("requires the rate-limiting sidecar") && msg.contains("no container port"),
+        "{msg}"
+    );
+    let body = review(PATH_INJECT_NAMESPACE, ("", "v1", "Pod"), "CREATE", p);
+    let r = response(h.review(PATH_INJECT_NAMESPACE, &body).unwrap());
+    assert_eq!(r["allowed"], true, "{r}");
+    // An explicit opt-out is still admitted.
+    let body = review(
+        PATH_INJECT_REQUIRED,
+        ("", "v1", "Pod"),
+        "CREATE",
+        pod(json!({"tollgate.dev/inject": "disabled"})),
+    );
+    let r = response(h.review(PATH_INJECT_REQUIRED, &body).unwrap());
+    assert_eq!(r["allowed"], true, "{r}");
+    assert!(r.get("patch").is_none(), "{r}");
+    assert_eq!(h.metrics.count("inject", "denied"), 1);
+}
+
+#[test]
 fn never_denies_pods_and_warns_when_asked_but_impossible() {
     let h = handler();
     let mut p = pod(json!({"tollgate.dev/inject": "enabled", "tollgate.dev/rewrite-port": "web"}));
