@@ -116,7 +116,8 @@ pub fn desired_status(
                     "False",
                     conditions::REASON_PENDING,
                     format!(
-                        "{in_sync} of {total} selected sidecars enforce the current rules{which}; waiting for the others to acknowledge"
+                        "{in_sync} of {total} selected sidecars enforce the current rules{which}; waiting for {} to acknowledge",
+                        lagging_pods(view)
                     ),
                 )
             }
@@ -163,9 +164,24 @@ pub fn desired_status(
     }
 }
 
-/// The last accepted generation's propagation: measured once, when every selected sidecar
-/// first enforces it, then kept (a sidecar joining later does not move it). Before that, the
-/// previous generation's figure stays.
+/// The pods that have not acknowledged yet, for the Pending message: `api-1, api-2` or
+/// `api-1, ... and 40 more`.
+fn lagging_pods(view: &PolicyView) -> String {
+    let waiting = view.sidecars_total.saturating_sub(view.sidecars_in_sync) as usize;
+    if view.lagging.is_empty() {
+        return "the others".to_string();
+    }
+    let names = view.lagging.join(", ");
+    match waiting.saturating_sub(view.lagging.len()) {
+        0 => names,
+        more => format!("{names} and {more} more"),
+    }
+}
+
+/// The last accepted generation's propagation: measured once, from the change to the
+/// acknowledgement that completed it (every connected selected sidecar runs it), then kept (a
+/// sidecar joining later does not move it). Before that, the previous generation's figure
+/// stays.
 fn propagation(
     view: &PolicyView,
     base: Option<&RateLimitPolicyStatus>,
@@ -183,11 +199,26 @@ fn propagation(
     {
         return previous;
     }
+    // The index stamps the completing acknowledgement; a view without the stamp (completed
+    // by a change the index does not stamp) falls back to the time of this status pass.
+    let (took, completed) = match view.programmed {
+        Some(p) => (p.after, completed_at(now, p.ago)),
+        None => (view.compiled_age, now.clone()),
+    };
     Some(tollgate_crd::policy::Propagation {
         generation,
-        duration_millis: u64::try_from(view.compiled_age.as_millis()).unwrap_or(u64::MAX),
-        completed: now.0.to_string(),
+        duration_millis: u64::try_from(took.as_millis()).unwrap_or(u64::MAX),
+        completed: completed.0.to_string(),
     })
+}
+
+/// `ago` before `now`, in whole seconds like every time the API server keeps.
+fn completed_at(now: &Time, ago: Duration) -> Time {
+    let ago = i64::try_from(ago.as_secs()).unwrap_or(i64::MAX);
+    match Timestamp::from_second(now.0.as_second().saturating_sub(ago)) {
+        Ok(t) => Time(t),
+        Err(_) => now.clone(),
+    }
 }
 
 /// Each Global rule's mode with `sidecars` connected (what `accuracy: Auto` chooses).
@@ -381,7 +412,7 @@ impl StatusWriter {
             desired.top_limited_keys = self
                 .top_keys
                 .as_ref()
-                .and_then(|t| t.of(&view.namespace, &view.name));
+                .and_then(|t| t.of(&view.namespace, &view.name, view.uid.as_deref()));
             if view.observed_status.as_ref() == Some(&desired) {
                 continue;
             }
