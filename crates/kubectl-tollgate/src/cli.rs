@@ -149,9 +149,20 @@ pub struct WhyArgs {
     /// 127.0.0.1.
     #[arg(long, value_name = "IP")]
     pub client_ip: Option<std::net::IpAddr>,
+    /// Where Global rules' balances are read: `local` (this sidecar's lease only; a key without
+    /// one reads "unknown") or `redis` (one read-only Redis call per Global rule).
+    #[arg(long, value_enum, default_value = "local")]
+    pub balance: Balance,
     /// Output format: json, yaml or wide (default: a table).
     #[arg(short = 'o', long, value_enum)]
     pub output: Option<Output>,
+}
+
+/// `why --balance`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Balance {
+    Local,
+    Redis,
 }
 
 /// The policy's duration grammar (one grammar for every tollgate duration), plus kubectl's bare

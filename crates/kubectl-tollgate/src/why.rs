@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 use kube::api::Api;
 use serde_json::Value;
 
-use crate::cli::{Output, WhyArgs};
+use crate::cli::{Balance, Output, WhyArgs};
 use crate::client::{Kube, describe};
 use crate::output::{structured, table};
 
@@ -116,6 +116,9 @@ fn query(args: &WhyArgs) -> String {
     if let Some(ip) = args.client_ip {
         q.append_pair("clientIp", &ip.to_string());
     }
+    if args.balance == Balance::Redis {
+        q.append_pair("balance", "redis");
+    }
     q.finish()
 }
 
@@ -188,8 +191,9 @@ fn render(pod: &str, answer: &Value, wide: bool) -> String {
         out.push_str("No rules in force in this sidecar: nothing is limited.\n");
         return out;
     }
+    out.push_str(&verdict(&answer["decision"]));
     let mut columns = vec![
-        "POLICY", "RULE", "MATCH", "OUTCOME", "MODE", "KEY-HASH", "STATE",
+        "POLICY", "RULE", "MATCH", "OUTCOME", "WOULD", "MODE", "KEY-HASH", "STATE",
     ];
     if wide {
         columns.extend(["SCOPE", "RULE-DOES", "DETAIL"]);
@@ -209,6 +213,7 @@ fn render(pod: &str, answer: &Value, wide: bool) -> String {
                     "no".into()
                 },
                 short,
+                would(&r["would"]),
                 s(&r["mode"]),
                 s(&r["keyHash"]),
                 state(&r["state"]),
@@ -221,6 +226,43 @@ fn render(pod: &str, answer: &Value, wide: bool) -> String {
         .collect();
     out.push_str(&table(&columns, &rows, false));
     out
+}
+
+/// The request's fate over all rules, in one line.
+fn verdict(d: &Value) -> String {
+    let rule = d["rule"].as_str().unwrap_or("?");
+    match d["outcome"].as_str().unwrap_or("unknown") {
+        "admitted" => "This request would be admitted now.\n".into(),
+        "delayed" => format!("This request would be delayed (shaped) by rule {rule}.\n"),
+        "rejected" => format!("This request would be rejected (429) by rule {rule}.\n"),
+        "unavailable" => {
+            format!(
+                "This request would be refused (503) by rule {rule}: its Redis did not answer.\n"
+            )
+        }
+        _ => format!(
+            "Unknown whether this request would be admitted: rule {rule} is decided by Redis \
+             (add --balance redis to read it).\n"
+        ),
+    }
+}
+
+/// What one rule would do, in words: `admitted (4 left)`, `rejected (retry in 12s)`.
+fn would(w: &Value) -> String {
+    let Some(outcome) = w["outcome"].as_str() else {
+        return "-".into();
+    };
+    let n = |k: &str| w[k].as_u64();
+    let secs = |ms: u64| crate::output::age(ms.div_ceil(1000) as i64);
+    match (outcome, n("remaining"), n("retryAfterMs"), n("delayMs")) {
+        ("rejected", _, Some(ms), _) => format!("rejected (retry in {})", secs(ms)),
+        ("delayed", _, _, Some(ms)) => format!("delayed ({ms}ms)"),
+        (_, Some(left), _, _) if w["shadowRejected"] == true => {
+            format!("{outcome} (shadow, {left} left)")
+        }
+        (_, Some(left), _, _) => format!("{outcome} ({left} left)"),
+        _ => outcome.to_string(),
+    }
 }
 
 /// A key's state in words.
@@ -298,6 +340,39 @@ mod tests {
             "Exact: not tracked here (balance in Redis)"
         );
         assert_eq!(state(&Value::Null), "-");
+    }
+
+    #[test]
+    fn outcomes_read_in_words() {
+        let v = |s: &str| serde_json::from_str::<Value>(s).unwrap();
+        assert_eq!(
+            would(&v(r#"{"outcome":"admitted","remaining":5}"#)),
+            "admitted (5 left)"
+        );
+        assert_eq!(
+            would(&v(
+                r#"{"outcome":"rejected","remaining":0,"retryAfterMs":11500}"#
+            )),
+            "rejected (retry in 12s)"
+        );
+        assert_eq!(would(&v(r#"{"outcome":"unknown"}"#)), "unknown");
+        assert_eq!(would(&Value::Null), "-");
+        let answer = v(
+            r#"{"version":3,"request":{"method":"GET","path":"/x","headers":[],"clientIp":"127.0.0.1"},
+            "decision":{"outcome":"rejected","rule":"per-key"},
+            "rules":[{"policy":"shop/p","rule":"per-key","matches":true,"outcome":"counted","mode":"Enforce",
+              "keyHash":"00ff","would":{"outcome":"rejected","remaining":0,"retryAfterMs":3000},
+              "state":{"tracked":true,"limit":5,"remaining":0,"resetMs":3000}}]}"#,
+        );
+        let text = render("shop/pod", &answer, false);
+        assert!(
+            text.contains("would be rejected (429) by rule per-key"),
+            "{text}"
+        );
+        assert!(text.contains("rejected (retry in 3s)"), "{text}");
+        assert!(!text.contains("limited"), "{text}");
+        let unknown = v(r#"{"decision":{"outcome":"unknown","rule":"g"}}"#);
+        assert!(verdict(&unknown["decision"]).contains("--balance redis"));
     }
 
     #[test]

@@ -91,6 +91,28 @@ impl KeyedLimiter {
         }
     }
 
+    /// The decision a request of `cost` would get at `now`, from the key's state (or a new
+    /// key's full quota), without charging, creating or refreshing anything: for `why` views
+    /// that must say "admitted", "delayed" or "rejected" and be right.
+    pub fn preview(&self, key: &[u8], now: Nanos, cost: u64) -> Decision {
+        fn query<S: crate::LimiterState + Clone>(
+            s: &Store<S>,
+            key: &[u8],
+            now: Nanos,
+            cost: u64,
+        ) -> Decision {
+            s.peek(s.hash(key), |st, p| st.clone().acquire_with(p, now, cost))
+        }
+        match &self.inner {
+            Inner::TokenBucket(s) => query(s, key, now, cost),
+            Inner::SlidingWindow(s) => query(s, key, now, cost),
+            Inner::FixedWindow(s) => query(s, key, now, cost),
+            Inner::SlidingLog(s) => query(s, key, now, cost),
+            Inner::LeakyBucket(s) => query(s, key, now, cost),
+            Inner::Concurrency(s) => s.peek(s.hash(key), |st, p| st.peek(p, cost)),
+        }
+    }
+
     /// The key's state at `now` as a zero-cost decision (`remaining`, `reset`), without
     /// charging, creating or refreshing anything: for debugging views. `None` when the key has
     /// no stored state (never seen, or evicted while idle): its next request sees the full

@@ -50,6 +50,12 @@ pub async fn serve(
                     )
                 } else if req.uri().path() == "/debug/log-level" {
                     log_level(req).await
+                } else if req.uri().path() == "/debug/why" {
+                    // Async: `balance=redis` reads Redis.
+                    match crate::explain::why(&shared, req.uri().query()).await {
+                        Ok(v) => json(&v),
+                        Err(e) => text(StatusCode::BAD_REQUEST, format!("/debug/why: {e}\n")),
+                    }
                 } else {
                     route(&shared, rule_stream.as_ref(), &req)
                 };
@@ -170,10 +176,6 @@ fn route(
                 .collect();
             json(&serde_json::json!({ "topKeys": top }))
         }
-        "/debug/why" => match crate::explain::why(shared, req.uri().query()) {
-            Ok(v) => json(&v),
-            Err(e) => text(StatusCode::BAD_REQUEST, format!("/debug/why: {e}\n")),
-        },
         "/debug/config" => json(&serde_json::json!({
             "version": shared.rules.load().version,
             "keyIdentity": shared.audit.identity_source(),

@@ -1,5 +1,7 @@
-//! `GET /debug/why`: which rules one request would meet in this sidecar and the state of the key
-//! each would count it under, read without charging anything. `kubectl tollgate why` asks it
+//! `GET /debug/why`: which rules one request would meet in this sidecar, the state of the key
+//! each would count it under, and what would happen to it (admitted, delayed, rejected, or
+//! unknown while a Global rule's balance is in Redis and not asked for: `balance=redis` reads
+//! it), all read without charging anything. `kubectl tollgate why` asks it
 //! through the API server's port-forward. The steps are the decision core's own
 //! ([`RuleSet::applies`]), so the explanation cannot drift from what `decide` does; keys appear as
 //! their identity (`keyHash`), never raw.
@@ -18,18 +20,23 @@ use crate::keys::{self, PartValue};
 use crate::rules::{ActiveRule, Applies, KeySkip, RuleSet, request_cost};
 
 /// The request to explain, from the query: `method` (default GET), `path` (default `/`, may carry
-/// a query string), `header=name:value` (repeatable) and `clientIp` (the peer address key parts
-/// and bypass networks see; default 127.0.0.1).
+/// a query string), `header=name:value` (repeatable), `clientIp` (the peer address key parts
+/// and bypass networks see; default 127.0.0.1) and `balance=redis` (read Global rules' buckets
+/// in Redis, one read-only call each, instead of saying their outcome is unknown).
 struct WhyRequest {
     parts: Parts,
     peer: SocketAddr,
     header_names: Vec<String>,
+    read_redis: bool,
 }
 
+/// How long one Redis read of `balance=redis` may take.
+const REDIS_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The explanation as JSON, or why the query is malformed (the admin server answers 400).
-pub fn why(shared: &Shared, query: Option<&str>) -> Result<Value, String> {
+pub async fn why(shared: &Shared, query: Option<&str>) -> Result<Value, String> {
     let req = parse_query(query)?;
-    let rules = shared.rules.load();
+    let rules = shared.rules.load_full();
     let now = tollgate_limiter::Clock::now(&shared.clock);
     let backend = if shared.global.get().is_some() {
         GlobalBackend::Redis
@@ -37,10 +44,17 @@ pub fn why(shared: &Shared, query: Option<&str>) -> Result<Value, String> {
         GlobalBackend::None
     };
     let mut key = Vec::new();
-    let explained: Vec<Value> = (0..rules.rules.len())
-        .map(|ri| explain_rule(shared, &rules, ri, &req, backend, now, &mut key))
-        .collect();
+    let mut explained = Vec::with_capacity(rules.rules.len());
+    for ri in 0..rules.rules.len() {
+        let mut entry = explain_rule(shared, &rules, ri, &req, backend, now, &mut key);
+        if entry["outcome"] == COUNTED {
+            let cost = entry["cost"].as_u64().unwrap_or(1);
+            entry["would"] = would(shared, &rules.rules[ri], &key, cost, now, req.read_redis).await;
+        }
+        explained.push(entry);
+    }
     Ok(json!({
+        "decision": decision(&explained),
         "version": rules.version,
         "request": {
             "method": req.parts.method.as_str(),
@@ -57,6 +71,7 @@ fn parse_query(query: Option<&str>) -> Result<WhyRequest, String> {
     let mut path = String::from("/");
     let mut headers: Vec<(HeaderName, HeaderValue)> = Vec::new();
     let mut ip = IpAddr::from([127, 0, 0, 1]);
+    let mut read_redis = false;
     for (name, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
         match name.as_ref() {
             "method" => {
@@ -71,9 +86,12 @@ fn parse_query(query: Option<&str>) -> Result<WhyRequest, String> {
                     .parse()
                     .map_err(|_| format!("clientIp={value:?}: not an IP address"))?;
             }
+            "balance" if value == "redis" => read_redis = true,
+            "balance" if value == "local" => read_redis = false,
+            "balance" => return Err(format!("balance={value:?}: local or redis")),
             other => {
                 return Err(format!(
-                    "unknown parameter {other:?}: use method, path, header=name:value, clientIp"
+                    "unknown parameter {other:?}: use method, path, header=name:value, clientIp, balance"
                 ));
             }
         }
@@ -97,6 +115,7 @@ fn parse_query(query: Option<&str>) -> Result<WhyRequest, String> {
         parts,
         peer: SocketAddr::new(ip, 0),
         header_names,
+        read_redis,
     })
 }
 
@@ -145,7 +164,7 @@ fn explain_rule(
         Applies::Skipped(KeySkip::MissingKey) => {
             "skipped: a key part is missing and onMissingKey is Skip"
         }
-        Applies::Counted => "limited",
+        Applies::Counted => COUNTED,
     };
     entry["outcome"] = outcome.into();
     if applies != Applies::Counted {
@@ -163,6 +182,151 @@ fn explain_rule(
     entry["cost"] = request_cost(&rule.cost, &req.parts).into();
     entry["state"] = key_state(shared, active, key, now);
     entry
+}
+
+/// A rule that counts the request under its key; `would` says what its balance does with it.
+const COUNTED: &str = "counted";
+
+/// What the rule would do with the request now, from the balance it is decided by: this
+/// sidecar's bucket for a Local rule, the lease held here or (with `read_redis`) the bucket in
+/// Redis for a Global one. Nothing is charged.
+async fn would(
+    shared: &Shared,
+    active: &ActiveRule,
+    key: &[u8],
+    cost: u64,
+    now: Nanos,
+    read_redis: bool,
+) -> Value {
+    let hash = shared.audit.identity().hasher.hash(key);
+    if let Some(wait) = active.blocks.as_ref().and_then(|b| b.remaining(hash, now)) {
+        return outcome(
+            "rejected",
+            "the key is blocked (blockFor)",
+            json!({"retryAfterMs": wait / 1_000_000}),
+        );
+    }
+    let mut w = match &active.global {
+        Some(global) => would_global(global, key, cost, read_redis).await,
+        None => would_local(active, key, cost, now),
+    };
+    if active.rule.mode == tollgate_crd::compiled::Mode::Shadow && w["outcome"] == "rejected" {
+        w["outcome"] = "admitted".into();
+        w["shadowRejected"] = true.into();
+        w["why"] = "Shadow mode: counted as a rejection, admitted".into();
+    }
+    w
+}
+
+fn outcome(what: &str, why: &str, mut details: Value) -> Value {
+    details["outcome"] = what.into();
+    details["why"] = why.into();
+    details
+}
+
+fn would_local(active: &ActiveRule, key: &[u8], cost: u64, now: Nanos) -> Value {
+    let before = active.limiter.preview(key, now, 0);
+    let d = active.limiter.preview(key, now, cost);
+    let details = json!({"remaining": before.remaining, "limit": d.limit, "source": "local"});
+    match (d.allowed, d.delay) {
+        (true, 0) => outcome("admitted", "this sidecar's bucket has room", details),
+        (true, delay) => {
+            let mut v = outcome("delayed", "shaped: held before it is forwarded", details);
+            v["delayMs"] = (delay / 1_000_000).into();
+            v
+        }
+        (false, _) => {
+            let mut v = outcome(
+                "rejected",
+                "this sidecar's bucket is empty for this cost",
+                details,
+            );
+            v["retryAfterMs"] = (d.retry_after / 1_000_000).into();
+            v
+        }
+    }
+}
+
+async fn would_global(global: &GlobalRule, key: &[u8], cost: u64, read_redis: bool) -> Value {
+    let here = global.peek_lease(key).map_or(0, |(here, _)| here);
+    if here >= cost && !global.exact() {
+        let details = json!({"remaining": here, "source": "lease"});
+        return outcome(
+            "admitted",
+            "this sidecar's lease for the key covers the cost",
+            details,
+        );
+    }
+    if !read_redis {
+        return outcome(
+            "unknown",
+            "decided by the bucket in Redis, not read: ask with balance=redis (kubectl tollgate why --balance redis)",
+            json!({"leasedHere": here, "source": "lease"}),
+        );
+    }
+    match global.peek_remote(key, REDIS_READ_TIMEOUT).await {
+        Ok(r) if r.blocked_ms > 0 => outcome(
+            "rejected",
+            "the key is blocked (blockFor) at every sidecar",
+            json!({"retryAfterMs": r.blocked_ms, "source": "redis"}),
+        ),
+        Ok(r) => {
+            let details = json!({"remaining": r.remaining, "leasedHere": here, "source": "redis"});
+            if r.remaining.saturating_add(here) >= cost {
+                outcome("admitted", "the bucket in Redis has room", details)
+            } else {
+                let mut v = outcome(
+                    "rejected",
+                    "the bucket in Redis is empty for this cost",
+                    details,
+                );
+                v["retryAfterMs"] = r.reset_ms.min(r.retry_after_ms.max(r.reset_ms)).into();
+                v
+            }
+        }
+        Err(e) => {
+            let (what, why) = match global.failure_mode {
+                tollgate_crd::compiled::FailureMode::Closed => (
+                    "unavailable",
+                    "Redis did not answer and the rule fails closed (503)",
+                ),
+                tollgate_crd::compiled::FailureMode::Open => (
+                    "unknown",
+                    "Redis did not answer: the rule fails open, to this sidecar's share of the limit",
+                ),
+            };
+            outcome(
+                what,
+                why,
+                json!({"error": e.to_string(), "source": "redis"}),
+            )
+        }
+    }
+}
+
+/// The request's fate over all rules, in the order the decision checks them: the first
+/// enforcing rule that rejects (or cannot decide) settles it; otherwise it is delayed if a rule
+/// shapes it, unknown if a Global rule's balance was not read, and admitted.
+fn decision(explained: &[Value]) -> Value {
+    let counted = explained.iter().filter(|e| e["outcome"] == COUNTED);
+    let mut result = json!({"outcome": "admitted"});
+    for e in counted {
+        let w = e["would"]["outcome"].as_str().unwrap_or("unknown");
+        let rank = |o: &str| match o {
+            "rejected" | "unavailable" => 3,
+            "unknown" => 2,
+            "delayed" => 1,
+            _ => 0,
+        };
+        let held = result["outcome"].as_str().unwrap_or("admitted");
+        if rank(w) > rank(held) {
+            result = json!({"outcome": w, "rule": e["rule"], "policy": e["policy"]});
+            if rank(w) == 3 {
+                break;
+            }
+        }
+    }
+    result
 }
 
 /// The key's state in this pod: a `blockFor` block, the lease of a Global rule, or the local

@@ -80,7 +80,11 @@ async fn why_explains_a_request_without_charging_it() {
         let per_key = rule(&v, "per-key");
         assert_eq!(per_key["policy"], "test/why");
         assert_eq!(per_key["matches"], true, "{per_key}");
-        assert_eq!(per_key["outcome"], "limited", "{per_key}");
+        assert_eq!(per_key["outcome"], "counted", "{per_key}");
+        // A key never sent would be admitted, with the whole limit left.
+        assert_eq!(per_key["would"]["outcome"], "admitted", "{per_key}");
+        assert_eq!(per_key["would"]["remaining"], 5, "{per_key}");
+        assert_eq!(v["decision"]["outcome"], "admitted", "{v}");
         assert_eq!(per_key["mode"], "Enforce", "{per_key}");
         assert_eq!(per_key["state"]["tracked"], false, "{per_key}");
         let key_hash = per_key["keyHash"].as_str().expect("keyHash").to_string();
@@ -119,6 +123,15 @@ async fn why_explains_a_request_without_charging_it() {
             statuses(&c, &url, &[("x-api-key", RAW_KEY)], 4).await,
             [200, 200, 200, 429]
         );
+        // Now the same request would be rejected, and why says so and by which rule.
+        let (_, body) = why(&c, &sc, &query).await;
+        let v: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        let would = &rule(&v, "per-key")["would"];
+        assert_eq!(would["outcome"], "rejected", "{v}");
+        assert_eq!(would["remaining"], 0, "{v}");
+        assert!(would["retryAfterMs"].as_u64().unwrap_or(0) > 0, "{v}");
+        assert_eq!(v["decision"]["outcome"], "rejected", "{v}");
+        assert_eq!(v["decision"]["rule"], "per-key", "{v}");
         // The identity is the audit line's key_hash for the same client.
         let audit = poll_until(Duration::from_secs(5), "the audit line", || async {
             sc.logs()
@@ -153,6 +166,7 @@ async fn malformed_why_queries_answer_400_with_the_reason() {
             ("header=x:%01", "invalid header value"),
             ("clientIp=nowhere", "not an IP address"),
             ("colour=blue", "unknown parameter"),
+            ("balance=etcd", "local or redis"),
             ("path=/a%20b", "not a valid request path"),
         ] {
             let (status, body) = why(&c, &sc, query).await;
@@ -162,6 +176,61 @@ async fn malformed_why_queries_answer_400_with_the_reason() {
         // The sidecar is still serving.
         let (status, body) = why(&c, &sc, "").await;
         assert_eq!(status, 200, "{body}");
+    })
+    .await;
+}
+
+/// A Global rule's outcome needs the bucket in Redis: without `balance=redis` it is unknown (not
+/// "limited"); with it, a fresh key reads admitted and a key another sidecar spent reads
+/// rejected, and the read charges nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn why_reads_a_global_balance_in_redis_when_asked() {
+    within(60, async {
+        let redis = tollgate_testkit::Redis::start();
+        let up = Upstream::start().await;
+        let p = policy(
+            "global",
+            "rules:\n  - name: strict\n    key: [{header: x-api-key}]\n    limit: {requests: 3, period: 1m, burst: 3}\n    accuracy: Strict\n",
+        );
+        let url = redis.url();
+        let args = ["--redis", url.as_str()];
+        let (a, b) = (
+            Sidecar::start(&up.url(), &p, &args).await,
+            Sidecar::start(&up.url(), &p, &args).await,
+        );
+        let c = client();
+        let ask = |sc: &Sidecar, key: &str, balance: &str| {
+            let q = format!("path=/x&header=x-api-key%3A{key}{balance}");
+            let (c, sc) = (c.clone(), sc.admin_url(&format!("/debug/why?{q}")));
+            async move {
+                let r = c.get(sc).send().await.expect("why");
+                assert_eq!(r.status(), 200);
+                r.json::<serde_json::Value>().await.expect("JSON")
+            }
+        };
+        let v = ask(&a, "spent", "").await;
+        assert_eq!(rule(&v, "strict")["would"]["outcome"], "unknown", "{v}");
+        assert_eq!(v["decision"]["outcome"], "unknown", "{v}");
+        for _ in 0..3 {
+            let v = ask(&a, "spent", "&balance=redis").await;
+            let would = &rule(&v, "strict")["would"];
+            assert_eq!(would["outcome"], "admitted", "{v}");
+            assert_eq!(would["remaining"], 3, "reads charge nothing: {v}");
+        }
+        // Another sidecar spends the key's bucket.
+        assert_eq!(
+            statuses(&c, &b.url("/x"), &[("x-api-key", "spent")], 4).await,
+            [200, 200, 200, 429]
+        );
+        let v = ask(&a, "spent", "&balance=redis").await;
+        let would = &rule(&v, "strict")["would"];
+        assert_eq!(would["outcome"], "rejected", "{v}");
+        assert_eq!(would["remaining"], 0, "{v}");
+        assert_eq!(would["source"], "redis", "{v}");
+        assert_eq!(v["decision"]["outcome"], "rejected", "{v}");
+        let fresh = ask(&a, "fresh", "&balance=redis").await;
+        assert_eq!(rule(&fresh, "strict")["would"]["outcome"], "admitted", "{fresh}");
+        assert_eq!(fresh["decision"]["outcome"], "admitted", "{fresh}");
     })
     .await;
 }

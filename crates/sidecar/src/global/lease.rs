@@ -644,6 +644,19 @@ impl GlobalRule {
         (field, group)
     }
 
+    /// The bucket's balance in Redis for a counter key, read without taking anything (a lease
+    /// call that wants no token): for `/debug/why?balance=redis`. `remaining` is what the bucket
+    /// holds now, `blocked_ms` a `blockFor` block published by any sidecar.
+    pub async fn peek_remote(
+        &self,
+        key: &[u8],
+        timeout: Duration,
+    ) -> Result<LeaseReply, StoreError> {
+        let (field, group) = self.field_for(key);
+        self.call(self.op(field, group, 0, 0, 0, true), timeout)
+            .await
+    }
+
     /// This pod's lease for a counter key, read without touching it (for `/debug/why`):
     /// the tokens held here and the bucket's balance at Redis's last answer. `None` when this
     /// pod holds no lease for the key.
