@@ -23,7 +23,7 @@
 //! status write echoed back by the watch, a label change that selects the same policies) wakes
 //! no stream, and a slow stream only ever sees the latest state.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -155,6 +155,9 @@ pub struct PolicyView {
     pub programmed: Option<Programmed>,
     /// Up to [`LAGGING_NAMED`] connected selected pods that do not run `compiled` yet, by name.
     pub lagging: Vec<String>,
+    /// Of the connected selected sidecars, those without a Redis store (`redis=false` on their
+    /// stream): they enforce the policy's Global rules per pod.
+    pub sidecars_without_redis: u32,
 }
 
 /// Pods a policy view names among those that have not acknowledged its rules.
@@ -182,6 +185,10 @@ pub struct MembershipReport {
     /// namespace → pod → policy name → acknowledged generation.
     #[serde(default)]
     pub namespaces: BTreeMap<String, BTreeMap<String, BTreeMap<String, i64>>>,
+    /// namespace → the pods among them whose sidecar has no Redis store. Absent from reports
+    /// of replicas that do not know of it, which then count every sidecar as having one.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub without_redis: BTreeMap<String, BTreeSet<String>>,
 }
 
 impl MembershipReport {
@@ -237,12 +244,21 @@ pub struct Index {
     stats: IndexStats,
     /// The latest report of every other live replica.
     reports: HashMap<String, MembershipReport>,
-    /// The reports merged: namespace → pod → policy → highest acknowledged generation.
-    remote: HashMap<String, HashMap<String, BTreeMap<String, i64>>>,
+    /// The reports merged, per namespace.
+    remote: HashMap<String, RemotePods>,
 }
 
-/// Pods connected to other replicas, for one namespace.
-type RemotePods = HashMap<String, BTreeMap<String, i64>>;
+/// Pods connected to other replicas, for one namespace, by name.
+type RemotePods = HashMap<String, RemotePod>;
+
+/// What other replicas report about one pod connected to them.
+#[derive(Default)]
+struct RemotePod {
+    /// Policy (`name/uid`) → highest acknowledged generation.
+    policies: BTreeMap<String, i64>,
+    /// Its sidecar has no Redis store.
+    without_redis: bool,
+}
 
 #[derive(Default)]
 struct Namespace {
@@ -274,6 +290,8 @@ struct Pod {
     tx: watch::Sender<PodRules>,
     connections: u32,
     acked: Option<u64>,
+    /// Its latest stream said its sidecar has no Redis store.
+    without_redis: bool,
 }
 
 /// A subscription to one pod, returned by [`Index::connect`].
@@ -655,6 +673,7 @@ impl Index {
                     }),
                     connections: 0,
                     acked: None,
+                    without_redis: false,
                 };
                 recompute_pod(policies, &mut pod, v);
                 // A new pod always takes a fresh version, so a stale `since` never matches it.
@@ -668,17 +687,30 @@ impl Index {
     // --- membership (the membership module's connection guards and acks call these) ---
 
     /// Registers a stream of `pod`. `resume` is the client's `(since, epoch)`, if it sent one.
+    #[cfg(test)]
     pub(crate) fn connect(
         &mut self,
         namespace: &str,
         pod_name: &str,
         resume: Option<(u64, &str)>,
     ) -> Option<Subscription> {
+        self.connect_with(namespace, pod_name, resume, true)
+    }
+
+    /// [`Index::connect`] from a sidecar that says whether it has a Redis store.
+    pub(crate) fn connect_with(
+        &mut self,
+        namespace: &str,
+        pod_name: &str,
+        resume: Option<(u64, &str)>,
+        has_redis: bool,
+    ) -> Option<Subscription> {
         let epoch_ok = |e: &str| e == self.epoch;
         let resume_version = resume.filter(|(_, e)| epoch_ok(e)).map(|(v, _)| v);
         let ns = self.namespaces.get_mut(namespace)?;
         let pod = ns.pods.get_mut(pod_name)?;
         pod.connections += 1;
+        pod.without_redis = !has_redis;
         // What the new stream's process holds: nothing, unless it resumed within this epoch.
         pod.acked = resume_version.filter(|v| *v <= pod.version);
         let resumed = resume_version == Some(pod.version);
@@ -833,6 +865,13 @@ impl Index {
                     .entry(ns_name.clone())
                     .or_default()
                     .insert(pod_name.clone(), acked);
+                if pod.without_redis {
+                    report
+                        .without_redis
+                        .entry(ns_name.clone())
+                        .or_default()
+                        .insert(pod_name.clone());
+                }
             }
         }
         report
@@ -878,10 +917,12 @@ impl Index {
                 let Some(pods) = report.namespaces.get(ns) else {
                     continue;
                 };
+                let without_redis = report.without_redis.get(ns);
                 for (pod, policies) in pods {
                     let entry = merged.entry(pod.clone()).or_default();
+                    entry.without_redis |= without_redis.is_some_and(|w| w.contains(pod));
                     for (policy, generation) in policies {
-                        let g = entry.entry(policy.clone()).or_insert(*generation);
+                        let g = entry.policies.entry(policy.clone()).or_insert(*generation);
                         *g = (*g).max(*generation);
                     }
                 }
@@ -1104,6 +1145,7 @@ fn view_of(
             ago: at.elapsed(),
         }),
         lagging: sync.lagging,
+        sidecars_without_redis: sync.without_redis,
     }
 }
 
@@ -1122,6 +1164,8 @@ struct SyncCounts {
     in_sync: u32,
     /// Up to [`LAGGING_NAMED`] of those not in sync, by pod name, sorted.
     lagging: Vec<String>,
+    /// Those whose sidecar has no Redis store.
+    without_redis: u32,
 }
 
 /// Counts the connected sidecars holding `policy` and those that run it as it is now.
@@ -1147,8 +1191,12 @@ fn sync_counts(
             sync.total += 1;
             let here = pod.connections > 0 && pod.acked.is_some_and(|a| a >= *since);
             let there = elsewhere
-                .and_then(|policies| policies.get(remote_key))
+                .and_then(|r| r.policies.get(remote_key))
                 .is_some_and(|g| *g >= generation);
+            let redis_here = pod.connections > 0 && !pod.without_redis;
+            if !redis_here && elsewhere.is_none_or(|r| r.without_redis) {
+                sync.without_redis += 1;
+            }
             if here || there {
                 sync.in_sync += 1;
             } else {

@@ -41,14 +41,18 @@ impl Drop for Connection {
     }
 }
 
-/// Registers a stream for a known pod. `resume` is the client's `(since, epoch)`.
+/// Registers a stream for a known pod. `resume` is the client's `(since, epoch)`; `has_redis`
+/// whether its sidecar has a Redis store (else it enforces Global rules per pod).
 pub fn connect(
     index: &SharedIndex,
     namespace: &str,
     pod: &str,
     resume: Option<(u64, &str)>,
+    has_redis: bool,
 ) -> Option<(Connection, Subscription)> {
-    let sub = index.write().connect(namespace, pod, resume)?;
+    let sub = index
+        .write()
+        .connect_with(namespace, pod, resume, has_redis)?;
     tracing::debug!(%namespace, %pod, resumed = sub.resumed, "sidecar connected");
     let conn = Connection {
         index: index.clone(),

@@ -332,7 +332,7 @@ impl Server {
         }
         let resume = q.since.zip(q.epoch.as_deref());
         let Some((conn, sub)) =
-            membership::connect(&self.inner.index, &q.namespace, &q.pod, resume)
+            membership::connect(&self.inner.index, &q.namespace, &q.pod, resume, q.redis)
         else {
             return problem(
                 StatusCode::NOT_FOUND,
@@ -539,6 +539,8 @@ struct WatchQuery {
     pod: String,
     since: Option<u64>,
     epoch: Option<String>,
+    /// `redis=false`: the sidecar has no Redis store and enforces Global rules per pod.
+    redis: bool,
 }
 
 impl WatchQuery {
@@ -547,6 +549,7 @@ impl WatchQuery {
         let mut pod = None;
         let mut since = None;
         let mut epoch = None;
+        let mut redis = true;
         for (k, v) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
             match &*k {
                 "namespace" => namespace = Some(v.into_owned()),
@@ -557,6 +560,7 @@ impl WatchQuery {
                     })?)
                 }
                 "epoch" => epoch = Some(v.into_owned()).filter(|e| !e.is_empty()),
+                "redis" => redis = v != "false",
                 _ => {}
             }
         }
@@ -571,6 +575,7 @@ impl WatchQuery {
             pod,
             since,
             epoch,
+            redis,
         })
     }
 }

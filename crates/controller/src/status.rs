@@ -154,7 +154,7 @@ pub fn desired_status(
         global_rules: view
             .compiled
             .as_ref()
-            .map(|c| global_rule_modes(c, total))
+            .map(|c| global_rule_modes(c, total, view.sidecars_without_redis))
             .unwrap_or_default(),
         // Filled from the fleet's reports by the writer (`crate::top_keys`).
         top_limited_keys: None,
@@ -221,11 +221,23 @@ fn completed_at(now: &Time, ago: Duration) -> Time {
     }
 }
 
-/// Each Global rule's mode with `sidecars` connected (what `accuracy: Auto` chooses).
+/// Each Global rule's mode with `sidecars` connected (what `accuracy: Auto` chooses). The
+/// reason also says when `without_redis` of them have no Redis store: those enforce the rule
+/// per pod, each with the whole limit, whatever the mode.
 fn global_rule_modes(
     compiled: &tollgate_crd::CompiledPolicy,
     sidecars: u32,
+    without_redis: u32,
 ) -> Vec<tollgate_crd::policy::GlobalRuleStatus> {
+    let per_pod = match without_redis {
+        0 => String::new(),
+        n if n >= sidecars => format!(
+            "; but none of the {sidecars} selected sidecars has Redis: each pod enforces the whole limit on its own"
+        ),
+        n => format!(
+            "; but {n} of the {sidecars} selected sidecars have no Redis: each of those enforces the whole limit on its own"
+        ),
+    };
     use tollgate_crd::policy::{Accuracy, GlobalRuleStatus, Scope};
     let n = u64::from(sidecars.max(1));
     compiled
@@ -253,7 +265,7 @@ fn global_rule_modes(
             GlobalRuleStatus {
                 name: r.name.clone(),
                 mode: mode.to_string(),
-                reason,
+                reason: reason + &per_pod,
             }
         })
         .collect()

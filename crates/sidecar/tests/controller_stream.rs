@@ -260,6 +260,11 @@ async fn rules_arrive_over_the_stream_and_survive_a_controller_outage() {
         })
         .await;
         assert_eq!(admitted(&s, "a", 4).await, 2);
+        assert!(
+            controller.seen.lock().unwrap().watches[0].contains("redis=false"),
+            "a sidecar without Redis says so: {:?}",
+            controller.seen.lock().unwrap().watches
+        );
         poll_until(Duration::from_secs(5), "ack of v1", || async {
             controller
                 .seen

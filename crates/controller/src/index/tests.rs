@@ -599,3 +599,36 @@ fn a_report_about_a_deleted_policy_does_not_program_its_successor() {
     );
     assert_eq!(view.lagging, ["api-2"]);
 }
+
+/// Sidecars without Redis are counted per policy, here and at other replicas.
+#[test]
+fn sidecars_without_redis_are_counted_across_replicas() {
+    let mut a = index_with_pods();
+    let mut b = index_with_pods();
+    for index in [&mut a, &mut b] {
+        index.apply_policy(input(&mk_policy("shop", "limits", "api", 10)));
+    }
+    let _on_a = a.connect_with("shop", "api-1", None, false).unwrap();
+    let _on_b = b.connect_with("shop", "api-2", None, false).unwrap();
+    assert_eq!(
+        a.policy_view("shop", "limits")
+            .unwrap()
+            .sidecars_without_redis,
+        1
+    );
+    let report = b.membership_report();
+    assert!(report.without_redis["shop"].contains("api-2"));
+    a.set_report("b", report);
+    let view = a.policy_view("shop", "limits").unwrap();
+    assert_eq!((view.sidecars_total, view.sidecars_without_redis), (2, 2));
+    // A report from a replica that does not know of it: its sidecars have Redis.
+    let mut old = b.membership_report();
+    old.without_redis.clear();
+    a.set_report("b", old);
+    assert_eq!(
+        a.policy_view("shop", "limits")
+            .unwrap()
+            .sidecars_without_redis,
+        1
+    );
+}

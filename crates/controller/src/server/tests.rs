@@ -778,3 +778,16 @@ async fn top_keys_reports_are_merged_or_refused_whole() {
     assert_eq!((listed.keys[0].rejected, listed.keys[0].pod_count), (9, 1));
     assert!(top.of("bank", "limits", None).is_none());
 }
+
+/// A sidecar without Redis says so on its stream (`redis=false`); the policy's view counts it,
+/// so the status can say its Global rules are enforced per pod there.
+#[tokio::test]
+async fn a_sidecar_without_redis_is_counted_as_such() {
+    let s = start(config()).await;
+    let (_c1, mut one) = watch(s.addr, "namespace=shop&pod=api-1&redis=false", API1).await;
+    snapshot(one.next().await);
+    let (_c2, mut two) = watch(s.addr, "namespace=shop&pod=api-2", API2).await;
+    snapshot(two.next().await);
+    let view = s.index.read().policy_view("shop", "limits").unwrap();
+    assert_eq!((view.sidecars_total, view.sidecars_without_redis), (2, 1));
+}

@@ -31,6 +31,7 @@ fn view(errors: Vec<FieldError>, compiled: bool, total: u32, in_sync: u32) -> Po
         compiled_age: Duration::from_millis(420),
         programmed: None,
         lagging: Vec::new(),
+        sidecars_without_redis: 0,
     }
 }
 
@@ -376,7 +377,7 @@ async fn sidecar_acks_flip_programmed() {
         i.apply_pod(mk_pod("shop", "api-1", &[("app", "api")]));
         i.apply_policy(input(&mk_policy("shop", "limits", "api", 10)));
     }
-    let (_conn, sub) = crate::membership::connect(&index, "shop", "api-1", None).unwrap();
+    let (_conn, sub) = crate::membership::connect(&index, "shop", "api-1", None, true).unwrap();
     let (mut w, mut handle) = writer(&index);
     let (_, body) = tokio::join!(w.sync_once(), expect_status_patch(&mut handle));
     assert_eq!(body["status"]["conditions"][1]["reason"], "Pending");
@@ -411,7 +412,7 @@ async fn writes_are_rate_limited_per_policy() {
     );
     let (_, _) = tokio::join!(w.sync_once(), expect_status_patch(&mut handle));
     // A change right after the write is deferred, and the writer says when to come back.
-    let _c = crate::membership::connect(&index, "shop", "api-1", None).unwrap();
+    let _c = crate::membership::connect(&index, "shop", "api-1", None, true).unwrap();
     let (next, ()) = tokio::join!(w.sync_once(), expect_silence(&mut handle));
     let next = next.expect("a deferred write");
     assert!(next > Instant::now() + Duration::from_secs(20));
@@ -440,5 +441,28 @@ fn status_says_how_each_global_rule_decides_with_the_sidecars_connected() {
         desired_status(&view(vec![], false, 3, 3), None, &time(1))
             .global_rules
             .is_empty()
+    );
+}
+
+#[test]
+fn global_rules_say_when_sidecars_without_redis_enforce_them_per_pod() {
+    let mut v = view(vec![], true, 3, 3);
+    let reason = |v: &PolicyView| {
+        desired_status(v, None, &time(1)).global_rules[0]
+            .reason
+            .clone()
+    };
+    assert!(!reason(&v).contains("Redis"), "{}", reason(&v));
+    v.sidecars_without_redis = 1;
+    assert!(
+        reason(&v).ends_with("but 1 of the 3 selected sidecars have no Redis: each of those enforces the whole limit on its own"),
+        "{}",
+        reason(&v)
+    );
+    v.sidecars_without_redis = 3;
+    assert!(
+        reason(&v).contains("none of the 3 selected sidecars has Redis"),
+        "{}",
+        reason(&v)
     );
 }
