@@ -11,7 +11,7 @@ pub mod stream;
 
 pub use compile::{CompileErrors, FieldError, compile, compile_parts};
 pub use compiled::{CompiledPolicy, CompiledRule, WIRE_VERSION};
-pub use decode::{DecodeError, Decoded, parse_yaml, parse_yaml_documents};
+pub use decode::{DecodeError, Decoded, PolicyStatusView, parse_yaml, parse_yaml_documents};
 pub use policy::{RateLimitPolicy, RateLimitPolicySpec, RateLimitPolicyStatus};
 
 use kube::CustomResourceExt;

@@ -3,7 +3,7 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, ListParams};
 use serde_json::json;
-use tollgate_crd::RateLimitPolicy;
+use tollgate_crd::PolicyStatusView;
 use tollgate_crd::policy::conditions::{ACCEPTED, PROGRAMMED};
 
 use crate::cli::{Output, StatusArgs};
@@ -54,8 +54,8 @@ pub async fn run(kube: &Kube, args: &StatusArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn fetch(kube: &Kube, args: &StatusArgs) -> anyhow::Result<Vec<RateLimitPolicy>> {
-    let api: Api<RateLimitPolicy> = if args.all_namespaces {
+async fn fetch(kube: &Kube, args: &StatusArgs) -> anyhow::Result<Vec<PolicyStatusView>> {
+    let api: Api<PolicyStatusView> = if args.all_namespaces {
         Api::all(kube.client.clone())
     } else {
         Api::namespaced(kube.client.clone(), &kube.namespace)
@@ -86,7 +86,7 @@ async fn fetch(kube: &Kube, args: &StatusArgs) -> anyhow::Result<Vec<RateLimitPo
     Ok(list)
 }
 
-fn condition<'a>(p: &'a RateLimitPolicy, ty: &str) -> Option<&'a Condition> {
+fn condition<'a>(p: &'a PolicyStatusView, ty: &str) -> Option<&'a Condition> {
     p.status
         .as_ref()
         .and_then(|s| s.conditions.iter().find(|c| c.type_ == ty))
@@ -106,7 +106,7 @@ fn condition_json(c: Option<&Condition>) -> serde_json::Value {
 }
 
 /// Everything the table shows, for `-o json|yaml`.
-fn summary(p: &RateLimitPolicy) -> serde_json::Value {
+fn summary(p: &PolicyStatusView) -> serde_json::Value {
     let s = p.status.clone().unwrap_or_default();
     json!({
         "namespace": p.metadata.namespace,
@@ -136,7 +136,7 @@ fn propagation(s: &tollgate_crd::RateLimitPolicyStatus) -> String {
     }
 }
 
-fn row(p: &RateLimitPolicy, all_namespaces: bool, wide: bool) -> Vec<String> {
+fn row(p: &PolicyStatusView, all_namespaces: bool, wide: bool) -> Vec<String> {
     let s = p.status.clone().unwrap_or_default();
     let accepted = condition(p, ACCEPTED);
     let programmed = condition(p, PROGRAMMED);

@@ -2,14 +2,14 @@
 
 use kube::api::Api;
 use serde_json::json;
-use tollgate_crd::RateLimitPolicy;
+use tollgate_crd::PolicyStatusView;
 
 use crate::cli::{Output, TopArgs};
 use crate::client::{Kube, describe};
 use crate::output::{age_of_text, structured, table};
 
 pub async fn run(kube: &Kube, args: &TopArgs) -> anyhow::Result<()> {
-    let api: Api<RateLimitPolicy> = Api::namespaced(kube.client.clone(), &kube.namespace);
+    let api: Api<PolicyStatusView> = Api::namespaced(kube.client.clone(), &kube.namespace);
     let policy = api.get(&args.policy).await.map_err(|e| {
         describe(
             e,

@@ -19,7 +19,9 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use tollgate_e2e::{ControlPlane, free_port, install_crd, start_controller, text, wait};
+use tollgate_e2e::{
+    ControlPlane, free_port, install_crd, start_controller, text, wait, workspace_bin,
+};
 
 fn policy(name: &str, limit: Value) -> Value {
     json!({
@@ -150,6 +152,21 @@ fn unknown_fields_are_refused_even_without_strict_field_validation() {
         message.contains(LIMT) && message.contains(NO_LIMIT),
         "{message}"
     );
+    // `kubectl tollgate status` still lists every policy, the undecodable one with its reason.
+    let out = Command::new(workspace_bin("kubectl-tollgate"))
+        .args(["status", "-n", "shop", "-o", "wide"])
+        .env("KUBECONFIG", cp.kubeconfig())
+        .output()
+        .expect("run kubectl-tollgate");
+    let table = text(&out.stdout);
+    assert!(out.status.success(), "{table}{}", text(&out.stderr));
+    for name in ["good", "stored", "stored-limt"] {
+        assert!(
+            table.lines().any(|l| l.starts_with(&format!("{name} "))),
+            "{name} missing:\n{table}"
+        );
+    }
+    assert!(table.contains("limt"), "{table}");
 
     // --- The validating webhook as the chart registers it (failurePolicy Fail by default).
     let hook = json!({
