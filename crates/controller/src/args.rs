@@ -131,6 +131,18 @@ pub struct Args {
     #[arg(long, env = "TOLLGATE_RESTART_PODS_WITHOUT_SIDECAR", default_value_t = false, action = clap::ArgAction::Set)]
     pub restart_pods_without_sidecar: bool,
 
+    /// Do not run the controller: tell every replica that tollgate is being removed, wait
+    /// `--retire-wait`, and exit (the chart's `pre-delete` hook). Creates the Lease
+    /// `<--lease-name>-retire` in `--lease-namespace`; a replica that sees it streams an empty
+    /// rule set to every sidecar (they enforce nothing from then on, and their rules cache
+    /// holds nothing) and ignores policies until it exits.
+    #[arg(long, default_value_t = false)]
+    pub retire: bool,
+
+    /// With `--retire`: how long the running replicas get to push the empty rule set.
+    #[arg(long, default_value = "15s", value_parser = parse_flag)]
+    pub retire_wait: Duration,
+
     /// How long open streams get to close on shutdown.
     #[arg(long, env = "TOLLGATE_SHUTDOWN_GRACE", default_value = "5s", value_parser = parse_flag)]
     pub shutdown_grace: Duration,

@@ -35,6 +35,7 @@ pub mod leader;
 pub mod membership;
 pub mod metrics;
 pub mod peers;
+pub mod retire;
 pub mod runtime;
 pub mod server;
 pub mod status;

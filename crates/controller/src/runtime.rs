@@ -77,6 +77,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let client = telemetry::kube_client().await.context(
         "cannot configure a Kubernetes client (in-cluster service account or KUBECONFIG)",
     )?;
+    if args.retire {
+        let namespace = args
+            .lease_namespace
+            .clone()
+            .unwrap_or_else(|| client.default_namespace().to_string());
+        return crate::retire::announce(client, &namespace, &args.lease_name, args.retire_wait)
+            .await;
+    }
     let identity = args
         .identity
         .clone()
@@ -91,6 +99,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let (metrics, mut registry) = Metrics::new(index.clone());
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let pod_table = crate::coverage::PodTable::shared();
+    let retired = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let coverage_metrics = crate::coverage::CoverageMetrics::register(&mut registry);
 
     // Watches: one per kind and namespace (or one per kind for all namespaces).
@@ -108,7 +117,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             watch_policies(
                 client.clone(),
                 scope.clone(),
-                index.clone(),
+                (index.clone(), Arc::clone(&retired)),
                 metrics.clone(),
                 tx,
             )
@@ -145,6 +154,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .lease_namespace
         .clone()
         .unwrap_or_else(|| client.default_namespace().to_string());
+
+    // `helm uninstall`'s pre-delete hook: stream no rules from then on.
+    tokio::spawn(
+        crate::retire::follow(
+            client.clone(),
+            lease_namespace.clone(),
+            args.lease_name.clone(),
+            index.clone(),
+            scopes.clone(),
+            Arc::clone(&retired),
+        )
+        .instrument(tracing::info_span!("retire")),
+    );
 
     // The key-hash secret every snapshot carries.
     let (key_hash_tx, key_hash_rx) = watch::channel(None);
@@ -372,10 +394,11 @@ async fn shutdown_signal() {
 /// lenient: an object with an unknown `spec` field (stored while the validating webhook was
 /// absent) decodes, and is indexed as invalid with `<path>: unknown field`, like any other
 /// error (`Accepted=False`, last good version kept), instead of failing the whole watch.
+/// Once `retired` (tollgate is being removed), events are dropped: the index keeps no policy.
 async fn watch_policies(
     client: kube::Client,
     scope: Option<String>,
-    index: SharedIndex,
+    (index, retired): (SharedIndex, Arc<std::sync::atomic::AtomicBool>),
     metrics: Metrics,
     synced: watch::Sender<bool>,
 ) {
@@ -387,10 +410,18 @@ async fn watch_policies(
     let mut buffer: Vec<PolicyInput> = Vec::new();
     let mut logged = CompileLog::new();
     while let Some(event) = stream.next().await {
+        if retired.load(std::sync::atomic::Ordering::Acquire) {
+            synced.send_replace(true);
+            continue;
+        }
         match event {
             Ok(Event::Apply(obj)) => {
                 reconcile_policy(&obj, &mut logged, |input| {
                     let mut index = index.write();
+                    // Checked under the lock `retire::follow` empties the index with.
+                    if retired.load(std::sync::atomic::Ordering::Acquire) {
+                        return None;
+                    }
                     let changed = index.apply_policy(input);
                     metrics.watch_event("policy", "apply");
                     Some((changed, index.version()))
@@ -415,7 +446,12 @@ async fn watch_policies(
             Ok(Event::InitDone) => {
                 let items = std::mem::take(&mut buffer);
                 let n = items.len();
-                index.write().reset_policies(scope.as_deref(), items);
+                {
+                    let mut index = index.write();
+                    if !retired.load(std::sync::atomic::Ordering::Acquire) {
+                        index.reset_policies(scope.as_deref(), items);
+                    }
+                }
                 metrics.watch_event("policy", "resync");
                 tracing::info!(policies = n, "policies listed");
                 synced.send_replace(true);

@@ -274,11 +274,17 @@ fn install_yaml_is_exactly_helm_template_output() {
         "--namespace",
         NS,
         "--include-crds",
+        "--no-hooks",
         "--set",
         "namespace.create=true",
     ]);
     assert!(out.status.success(), "helm template: {}", text(&out.stderr));
     let rendered = text(&out.stdout);
+    // `kubectl apply` would run a hook at once: the uninstall hook must not be in the bundle.
+    assert!(
+        !rendered.contains("--retire"),
+        "install.yaml carries the uninstall hook"
+    );
     let file = std::fs::read_to_string(repo_root().join("manifests/install.yaml")).unwrap();
     let marker = "# ---- rendered by helm template below this line ----\n";
     let body = file
@@ -501,6 +507,32 @@ fn pod_eviction_is_granted_only_when_restarts_are_opted_in() {
         !deploy.contains("--restart-pods-without-sidecar"),
         "{deploy}"
     );
+}
+
+#[test]
+fn helm_uninstall_first_retires_the_controllers() {
+    let hook = helm_template("replicas=2", &["--show-only", "templates/retire-hook.yaml"]);
+    for want in [
+        "helm.sh/hook: pre-delete",
+        "- --retire\n",
+        "- --retire-wait=15s",
+        "- --lease-name=tollgate-controller\n",
+        "- --lease-namespace=tollgate-system\n",
+        "serviceAccountName: tollgate-controller\n",
+        "tollgate.dev/inject: disabled",
+    ] {
+        assert!(hook.contains(want), "{want:?} missing:\n{hook}");
+    }
+    let out = helm_offline(&[
+        "template",
+        RELEASE,
+        CHART,
+        "--set",
+        "uninstall.retireSidecars=false",
+        "--show-only",
+        "templates/retire-hook.yaml",
+    ]);
+    assert!(!out.status.success() || !text(&out.stdout).contains("kind: Job"));
 }
 
 // === the cluster test ===
