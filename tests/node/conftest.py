@@ -75,3 +75,20 @@ def pods(ns, selector):
 
 def ready(pod):
     return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+def memory_charged(proc_cgroup, root="/sys/fs/cgroup"):
+    """Bytes charged to the memory cgroup of a process whose /proc/PID/cgroup reads
+    `proc_cgroup` (what its memory limit is enforced against). cgroup v1 (a `memory` controller
+    line, as on this test node): memory.usage_in_bytes in the memory hierarchy. cgroup v2 (only
+    the unified `0::` line, as on most current nodes): memory.current. tests/node/test_cgroup.py
+    covers both with fake trees."""
+    groups = dict((parts[1], parts[2].strip()) for parts in
+                  (line.split(":", 2) for line in proc_cgroup.splitlines() if line.strip()))
+    v1 = next((path for controllers, path in groups.items() if "memory" in controllers.split(",")), None)
+    if v1 is not None:
+        path = os.path.join(root, "memory", v1.lstrip("/"), "memory.usage_in_bytes")
+    else:
+        path = os.path.join(root, groups[""].lstrip("/"), "memory.current")
+    with open(path) as f:
+        return int(f.read())

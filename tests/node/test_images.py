@@ -1,5 +1,6 @@
-"""The daemonless images (tools/images/build.sh): reproducible, minimal, non-root, and described
-the same way by the Dockerfile that users with a container engine build from."""
+"""The daemonless images (tools/images/build.sh): reproducible, minimal, non-root, within their
+size budget, and described the same way by the Dockerfile that users with a container engine
+build from."""
 import json
 import os
 import re
@@ -11,6 +12,40 @@ from conftest import ROOT
 
 IMAGES = os.environ.get("IMAGES_DIR", os.path.join(ROOT, ".cache/images"))
 PRODUCT = ["tollgate-sidecar", "tollgate-controller"]
+
+
+MIB = 2**20
+# What a node pulls per product image (compressed layer + config + manifest), by the cargo
+# profile the binaries were built with. Release is what users pull (measured 2026-12-07: sidecar
+# 8.2 MiB, controller 9.9 MiB). CI (tools/test-all.sh) packs the dev-profile binaries `cargo test`
+# already built (14.7 and 17.4 MiB pulled; the optimised build took 25 minutes here, on 2
+# cores shared with other builds), so it checks the dev budget and the part of the layout that does not depend on the
+# profile (below), and prints that it did not measure release. `tools/images/build.sh` without
+# IMAGES_PROFILE builds release, and this test then checks the release budget.
+PULL_BUDGET_MIB = {
+    "release": {"tollgate-sidecar": 10, "tollgate-controller": 12},
+    "dev": {"tollgate-sidecar": 20, "tollgate-controller": 24},
+}
+# Everything in a product image but its binary (glibc libraries, CA certificates, passwd),
+# unpacked: the same for every profile (measured 3.2 MiB).
+BASE_BUDGET_MIB = 4
+
+
+def image_sizes(name):
+    """(bytes pulled, bytes unpacked, bytes of the image's own binary unpacked)."""
+    with tarfile.open(os.path.join(IMAGES, f"{name}.tar")) as t:
+        size = lambda d: t.getmember("blobs/sha256/" + d.split(":")[1]).size
+        index = json.load(t.extractfile("index.json"))["manifests"][0]
+        manifest = json.load(t.extractfile("blobs/sha256/" + index["digest"].split(":")[1]))
+        pulled = index["size"] + size(manifest["config"]["digest"]) + sum(size(l["digest"]) for l in manifest["layers"])
+        unpacked, binary = 0, 0
+        for layer in manifest["layers"]:
+            with tarfile.open(fileobj=t.extractfile("blobs/sha256/" + layer["digest"].split(":")[1]), mode="r:gz") as lt:
+                for m in lt.getmembers():
+                    unpacked += m.size
+                    if m.name == f"usr/local/bin/{name}":
+                        binary = m.size
+        return pulled, unpacked, binary
 
 
 def image_config(name):
@@ -75,3 +110,19 @@ def test_building_twice_from_one_commit_gives_the_same_digests(tmp_path):
     first = open(os.path.join(IMAGES, "digests")).read()
     assert open(tmp_path / "digests").read() == first
     assert len(first.splitlines()) == 5, first
+
+
+def test_image_sizes_stay_within_budget():
+    profile = open(os.path.join(IMAGES, "profile")).read().strip()
+    for name in PRODUCT:
+        pulled, unpacked, binary = image_sizes(name)
+        base = unpacked - binary
+        print(f"MEASURE image {name} ({profile} profile): pulled {pulled / MIB:.1f} MiB, unpacked "
+              f"{unpacked / MIB:.1f} MiB (binary {binary / MIB:.1f} MiB, the rest {base / MIB:.2f} MiB)")
+        assert binary > 0, f"{name}: no usr/local/bin/{name} in the layer"
+        assert base <= BASE_BUDGET_MIB * MIB, f"{name}: {base} bytes besides the binary (budget {BASE_BUDGET_MIB} MiB)"
+        budget = PULL_BUDGET_MIB[profile][name]
+        assert pulled <= budget * MIB, f"{name}: pulls {pulled / MIB:.1f} MiB, {profile} budget {budget} MiB"
+    if profile != "release":
+        print(f"MEASURE release image sizes not measured: these images hold {profile}-profile binaries "
+              "(tools/images/build.sh without IMAGES_PROFILE builds and checks release)")

@@ -9,7 +9,7 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import (APP_NS, RELEASE, ROOT, SYSTEM_NS, apply, eventually, get, helm, kjson,
+from conftest import (APP_NS, RELEASE, ROOT, SYSTEM_NS, apply, eventually, get, helm, kjson, memory_charged,
                       kubectl, need_env, pods, ready, run)
 
 APP = "shop-api"
@@ -254,17 +254,11 @@ def bare_app_pod(name, inject):
 
 
 def cgroup_memory(container_id):
-    """Bytes charged to a container's memory cgroup (what its limit is enforced against),
-    found through its task's PID: cgroup v1 here (real-node.md), cgroup v2 elsewhere."""
+    """Bytes charged to a container's memory cgroup, found through its task's PID."""
     tasks = run("ctr", "--address", "/run/containerd/containerd.sock", "-n", "k8s.io", "tasks", "ls").stdout
     pid = next(line.split()[1] for line in tasks.splitlines() if line.startswith(container_id))
     with open(f"/proc/{pid}/cgroup") as f:
-        groups = dict((parts[1], parts[2].strip()) for parts in (line.split(":", 2) for line in f))
-    if "memory" in groups:
-        with open(f"/sys/fs/cgroup/memory{groups['memory']}/memory.usage_in_bytes") as f:
-            return int(f.read())
-    with open(f"/sys/fs/cgroup{groups['']}/memory.current") as f:
-        return int(f.read())
+        return memory_charged(f.read())
 
 
 def test_measure_start_up_cost_and_sidecar_memory():
