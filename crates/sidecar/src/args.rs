@@ -239,8 +239,10 @@ pub struct RunArgs {
     pub redis_client_key_file: Option<PathBuf>,
 
     /// Longest a request waits for Redis (cold keys, dry leases, strict rules) before the
-    /// rule's failure mode applies.
-    #[arg(long, env = "TOLLGATE_REDIS_TIMEOUT", default_value = "5ms", value_parser = parse_flag)]
+    /// rule's failure mode applies (`accuracy: Strict` waits up to --sync-timeout if that is
+    /// longer). Above the slowest round trips of a healthy, loaded Redis, so a fail-closed rule
+    /// never answers 503 while Redis is fine; hot keys never wait (they spend leases).
+    #[arg(long, env = "TOLLGATE_REDIS_TIMEOUT", default_value = "100ms", value_parser = parse_flag)]
     pub redis_timeout: Duration,
 
     /// How often leases are synced: unused tokens returned, hot keys topped up.

@@ -783,3 +783,84 @@ async fn a_strict_rule_admits_no_more_than_its_bucket_after_a_policy_apply() {
     })
     .await;
 }
+
+/// Cold keys of a fail-closed rule: every request makes one Redis call on the request path.
+/// Returns (200s, 503s, timeouts the sidecar counted).
+async fn cold_keys_closed(extra: &[&str]) -> (u64, u64, f64) {
+    let redis = Redis::start();
+    let upstream = Upstream::start().await;
+    let p = global_policy(
+        "cold",
+        "- name: closed\n  key: [{header: x-api-key}]\n  limit: {requests: 1000000, period: 1s}\n  failureMode: Closed",
+    );
+    let s = start_sidecar(&upstream, &p, &redis, extra).await;
+    let ok = Arc::new(AtomicU64::new(0));
+    let unavailable = Arc::new(AtomicU64::new(0));
+    let deadline = Instant::now() + Duration::from_secs(6);
+    let mut tasks = Vec::new();
+    for t in 0..4 {
+        let (url, ok, unavailable) = (s.url("/"), ok.clone(), unavailable.clone());
+        tasks.push(tokio::spawn(async move {
+            let c = client();
+            let mut i = 0u64;
+            while Instant::now() < deadline {
+                i += 1;
+                let status = c
+                    .get(&url)
+                    .header("x-api-key", format!("k{t}-{i}"))
+                    .send()
+                    .await
+                    .map(|r| r.status().as_u16());
+                match status {
+                    Ok(200) => ok.fetch_add(1, Ordering::Relaxed),
+                    Ok(503) => unavailable.fetch_add(1, Ordering::Relaxed),
+                    other => panic!("unexpected answer {other:?}"),
+                };
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let m = s.metrics(&client()).await;
+    let timeouts = metric(&m, "tollgate_redis_errors_total", &[("kind", "timeout")]).unwrap_or(0.0);
+    // How the request-path round trips were spread (the histogram's upper bounds).
+    let calls = metric(&m, "tollgate_lease_duration_seconds_count", &[]).unwrap_or(0.0);
+    let spread: Vec<String> = ["0.00512", "0.01024", "0.02048", "0.04096", "0.08192"]
+        .iter()
+        .map(|le| {
+            let within =
+                metric(&m, "tollgate_lease_duration_seconds_bucket", &[("le", le)]).unwrap_or(0.0);
+            format!(
+                "> {le} s: {:.3} %",
+                100.0 * (calls - within) / calls.max(1.0)
+            )
+        })
+        .collect();
+    eprintln!("request-path Redis calls: {calls}; {}", spread.join(", "));
+    (
+        ok.load(Ordering::Relaxed),
+        unavailable.load(Ordering::Relaxed),
+        timeouts,
+    )
+}
+
+/// A fail-closed rule with a healthy Redis answers no 503 under the default `--redis-timeout`:
+/// a few thousand cold keys (one Redis call each, on the request path) from 4 connections, on
+/// a machine as loaded as the test suite leaves it. At the old 5 ms default, the slowest
+/// round trips of a loaded 2-core VM (p99.9 about 6 ms) timed out and answered 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_redis_timeout_gives_no_stray_503_with_a_healthy_redis() {
+    within(90, async {
+        let _serial = SERIAL.lock().await;
+        let timeout: Vec<String> = std::env::var("TOLLGATE_TEST_REDIS_TIMEOUT")
+            .map(|t| vec!["--redis-timeout".to_string(), t])
+            .unwrap_or_default();
+        let extra: Vec<&str> = timeout.iter().map(String::as_str).collect();
+        let (ok, unavailable, timeouts) = cold_keys_closed(&extra).await;
+        eprintln!("cold keys on a fail-closed rule, {extra:?}: {ok} admitted, {unavailable} × 503, {timeouts} Redis timeouts");
+        assert!(ok > 1000, "too little load to judge: {ok}");
+        assert_eq!((unavailable, timeouts), (0, 0.0), "a healthy Redis must not make a fail-closed rule answer 503");
+    })
+    .await;
+}

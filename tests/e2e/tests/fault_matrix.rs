@@ -724,7 +724,7 @@ fn generous_policy() -> String {
 /// "From t = 1.5 s to 2.3 s every limiter check takes 50× longer" (seed 002), scaled: every
 /// Redis round trip gets +50 ms (a delaying relay, 25 ms each way) for 3 s while hot keys (one
 /// API key per rule, within quota) and a trickle of first-time keys keep arriving. The sidecars
-/// run with the default tight `--redis-timeout` (5 ms). Expected: hot keys keep their latency
+/// run with a tight `--redis-timeout` (5 ms, the default before it became 100 ms). Expected: hot keys keep their latency
 /// (they hold leases the background sync keeps topped up); cold keys fail per their mode after
 /// the timeout instead of waiting for Redis; everything recovers on its own.
 #[test]
@@ -736,6 +736,8 @@ fn seed_scenario_slow_counter_store() {
     let args = vec![
         "--redis".to_string(),
         format!("redis://127.0.0.1:{}", relay.port),
+        "--redis-timeout".to_string(),
+        "5ms".to_string(),
     ];
     let cluster = Cluster::start(2, &generous_policy(), "shop/slow-store", &args);
     let ports: Vec<u16> = cluster.sidecars.iter().map(|s| s.listen).collect();
