@@ -1,5 +1,5 @@
 //! Every key the Redis scripts write expires, and idle state disappears: against a real
-//! `redis-server`, reading each key's TTL and watching Redis empty itself (issue 17 §5).
+//! `redis-server`, reading each key's TTL and watching Redis empty itself.
 //!
 //! Expiry is watched with `DBSIZE`, which does not touch keys: what goes away here is removed by
 //! Redis' own active expiry, not by the test reading an expired key.

@@ -329,7 +329,7 @@ fn check_reports_every_error_with_its_field_path() {
         "second error not reported: {err}"
     );
 
-    // Misspelled fields are errors, not silently different policies (issue 16), reported with
+    // Misspelled fields are errors, not silently different policies, reported with
     // the others.
     let typos = dir.path().join("typos.yaml");
     std::fs::write(
