@@ -477,6 +477,44 @@ fn redis_sentinel_reaches_the_injected_sidecars() {
 }
 
 #[test]
+fn the_sentinels_password_and_tls_come_from_the_chart() {
+    let set = "redis.url=rediss://s1:26379\\,rediss://s2:26379,redis.sentinel.masterName=tg,\
+               redis.sentinel.auth.secretName=sentinel-auth,redis.sentinel.auth.secretKey=pw,\
+               redis.auth.secretName=redis-auth,redis.tls.enabled=true,\
+               redis.tls.ca.configMapName=redis-ca,rateLimitService.enabled=true";
+    let out = helm_template(set, &[]);
+    for want in [
+        "--sidecar-redis-sentinel=tg",
+        "--sidecar-redis-sentinel-password-secret=sentinel-auth",
+        "--sidecar-redis-sentinel-password-key=pw",
+        "--sidecar-redis-password-secret=redis-auth",
+        "--sidecar-redis-ca-configmap=redis-ca",
+        "--sidecar-redis-url=rediss://s1:26379,rediss://s2:26379",
+        // The rate limit service gets the same, as files.
+        "name: TOLLGATE_REDIS_SENTINEL_PASSWORD_FILE\n              value: /var/run/secrets/tollgate-redis/sentinel-auth/password",
+        "secretName: sentinel-auth\n            items:\n              - key: pw\n                path: password\n            optional: true",
+    ] {
+        assert!(out.contains(want), "{want:?} missing:\n{out}");
+    }
+    assert!(!out.contains("pw@"), "no password in a URL");
+    // Without sentinels the setting is refused, with the reason.
+    let out = helm_offline(&[
+        "template",
+        RELEASE,
+        CHART,
+        "--set",
+        "redis.url=redis://r:6379,redis.sentinel.auth.secretName=sentinel-auth",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr)
+            .contains("redis.sentinel.auth.secretName needs redis.sentinel.masterName"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
 fn pod_eviction_is_granted_only_when_restarts_are_opted_in() {
     let rbac = |set: &str| {
         helm_template(set, &["--show-only", "templates/rbac.yaml"])

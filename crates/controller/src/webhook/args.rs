@@ -162,6 +162,19 @@ pub struct WebhookArgs {
     )]
     pub sidecar_redis_sentinel: Option<String>,
 
+    /// Secret (in each application namespace) holding the Redis Sentinels' own password
+    /// (their `requirepass`), mounted like the Redis password (`--redis-sentinel-password-file`).
+    #[arg(long, env = "TOLLGATE_SIDECAR_REDIS_SENTINEL_PASSWORD_SECRET")]
+    pub sidecar_redis_sentinel_password_secret: Option<String>,
+
+    /// Key of the password in `--sidecar-redis-sentinel-password-secret`.
+    #[arg(
+        long,
+        env = "TOLLGATE_SIDECAR_REDIS_SENTINEL_PASSWORD_KEY",
+        default_value = "password"
+    )]
+    pub sidecar_redis_sentinel_password_key: String,
+
     /// Redis ACL user of the sidecars.
     #[arg(long, env = "TOLLGATE_SIDECAR_REDIS_USERNAME")]
     pub sidecar_redis_username: Option<String>,
@@ -231,6 +244,14 @@ impl WebhookArgs {
                     .sidecar_redis_sentinel
                     .clone()
                     .filter(|m| !m.trim().is_empty()),
+                sentinel_password: self
+                    .sidecar_redis_sentinel_password_secret
+                    .as_ref()
+                    .filter(|n| !n.is_empty())
+                    .map(|name| SecretKeyRef {
+                        name: name.clone(),
+                        key: self.sidecar_redis_sentinel_password_key.clone(),
+                    }),
                 username: self
                     .sidecar_redis_username
                     .clone()

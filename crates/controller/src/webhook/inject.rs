@@ -98,6 +98,10 @@ pub struct RedisConfig {
     pub cluster: bool,
     /// Master name when `url` lists Redis Sentinels (`--redis-sentinel`).
     pub sentinel_master: Option<String>,
+    /// Secret holding the sentinels' own password (their `requirepass`), mounted as a file
+    /// (`--redis-sentinel-password-file`). TLS to the sentinels follows the master's: the same
+    /// `rediss://` scheme, CA and client certificate.
+    pub sentinel_password: Option<SecretKeyRef>,
     /// Redis ACL user.
     pub username: Option<String>,
     /// Secret holding the password, mounted as a file (`--redis-password-file`).
@@ -128,6 +132,8 @@ pub enum CaRef {
 
 /// Volume with the Redis password; mounted only into the sidecar.
 pub const REDIS_AUTH_VOLUME: &str = "tollgate-redis-auth";
+/// Volume with the Redis Sentinels' password; mounted only into the sidecar.
+pub const REDIS_SENTINEL_AUTH_VOLUME: &str = "tollgate-redis-sentinel-auth";
 /// Volume with the Redis CA bundle.
 pub const REDIS_CA_VOLUME: &str = "tollgate-redis-ca";
 /// Volume with the Redis client certificate and key.
@@ -153,6 +159,10 @@ impl InjectConfig {
         );
         if let Some(redis) = &self.redis {
             redis.url_env()?;
+            anyhow::ensure!(
+                redis.sentinel_password.is_none() || redis.sentinel_master.is_some(),
+                "--sidecar-redis-sentinel-password-secret needs --sidecar-redis-sentinel"
+            );
         }
         Ok(())
     }
@@ -242,6 +252,12 @@ impl RedisConfig {
                 format!("{REDIS_DIR}/auth/password"),
             ));
         }
+        if self.sentinel_password.is_some() {
+            env.push(var(
+                "TOLLGATE_REDIS_SENTINEL_PASSWORD_FILE",
+                format!("{REDIS_DIR}/sentinel-auth/password"),
+            ));
+        }
         if self.ca.is_some() {
             env.push(var(
                 "TOLLGATE_REDIS_CA_FILE",
@@ -272,6 +288,9 @@ impl RedisConfig {
         let mut m = Vec::new();
         if self.password.is_some() {
             m.push(mount(REDIS_AUTH_VOLUME, "auth"));
+        }
+        if self.sentinel_password.is_some() {
+            m.push(mount(REDIS_SENTINEL_AUTH_VOLUME, "sentinel-auth"));
         }
         if self.ca.is_some() {
             m.push(mount(REDIS_CA_VOLUME, "ca"));
@@ -304,6 +323,13 @@ impl RedisConfig {
         if let Some(p) = &self.password {
             v.push(Volume {
                 name: REDIS_AUTH_VOLUME.to_string(),
+                secret: Some(secret(&p.name, items(&p.key, "password"))),
+                ..Default::default()
+            });
+        }
+        if let Some(p) = &self.sentinel_password {
+            v.push(Volume {
+                name: REDIS_SENTINEL_AUTH_VOLUME.to_string(),
                 secret: Some(secret(&p.name, items(&p.key, "password"))),
                 ..Default::default()
             });
@@ -1205,6 +1231,43 @@ mod tests {
         assert!(r.url_env().is_err(), "a CA needs rediss://");
         r.url = "rediss://x:1".into();
         assert!(r.url_env().is_ok());
+    }
+
+    #[test]
+    fn the_sentinels_password_is_a_file_of_its_own() {
+        let r = RedisConfig {
+            url: "rediss://s1:26379,rediss://s2:26379".into(),
+            sentinel_master: Some("tg".into()),
+            sentinel_password: Some(SecretKeyRef {
+                name: "sentinel".into(),
+                key: "pw".into(),
+            }),
+            ..RedisConfig::default()
+        };
+        assert!(
+            r.env()
+                .iter()
+                .any(|e| e.name == "TOLLGATE_REDIS_SENTINEL_PASSWORD_FILE"
+                    && e.value.as_deref()
+                        == Some("/var/run/secrets/tollgate-redis/sentinel-auth/password"))
+        );
+        let volume = &r.volumes()[0];
+        assert_eq!(volume.name, REDIS_SENTINEL_AUTH_VOLUME);
+        let secret = volume.secret.as_ref().unwrap();
+        assert_eq!(secret.secret_name.as_deref(), Some("sentinel"));
+        assert_eq!(secret.optional, Some(true));
+        assert_eq!(secret.items.as_ref().unwrap()[0].key, "pw");
+        assert_eq!(
+            r.mounts()[0].mount_path,
+            "/var/run/secrets/tollgate-redis/sentinel-auth"
+        );
+        // Without sentinels the setting is a mistake.
+        let mut cfg = InjectConfig::example();
+        cfg.redis = Some(RedisConfig {
+            sentinel_master: None,
+            ..r
+        });
+        assert!(cfg.check().is_err());
     }
 
     #[test]
