@@ -20,9 +20,10 @@ pub struct RunArgs {
     #[arg(long, env = "TOLLGATE_UPSTREAM")]
     pub upstream: Option<http::Uri>,
 
-    /// Serve Envoy's rate limit service (RLS v3 `ShouldRateLimit`, gRPC over h2c) on --listen
-    /// instead of proxying to an upstream: the same rules, keys, leases and failure modes,
-    /// deciding the descriptors of Envoy's `envoy.filters.http.ratelimit` filter.
+    /// Serve Envoy's rate limit services on --listen (gRPC over h2c) instead of proxying to an
+    /// upstream: RLS v3 `ShouldRateLimit` (the descriptors of `envoy.filters.http.ratelimit`)
+    /// and RLQS v3 `StreamRateLimitQuotas` (the buckets of `envoy.filters.http.rate_limit_quota`),
+    /// with the same rules, keys, leases and failure modes.
     #[arg(long, env = "TOLLGATE_RATE_LIMIT_SERVICE", conflicts_with = "upstream")]
     pub rate_limit_service: bool,
 

@@ -182,6 +182,16 @@ impl RateLimitQuotaService for QuotaEdge {
                         }
                     }
                     Ok(None) => break,
+                    Err(e) if undecodable(&e) => {
+                        // A client bug, not a hang-up: say so on both ends.
+                        tracing::warn!(stream = id, error = %e, "RLQS usage report could not be decoded; ending the stream");
+                        let status = tonic::Status::invalid_argument(format!(
+                            "the usage report could not be decoded: {}",
+                            e.message()
+                        ));
+                        let _ = tx.send(Err(status)).await;
+                        break;
+                    }
                     Err(e) => {
                         tracing::debug!(stream = id, error = %e, "RLQS stream ended with an error");
                         break;
@@ -193,6 +203,12 @@ impl RateLimitQuotaService for QuotaEdge {
         let outgoing = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
         Ok(tonic::Response::new(Box::pin(outgoing)))
     }
+}
+
+/// Whether a stream error is a message that arrived but is not a usage report (tonic's
+/// decoder reports it as `Internal`), rather than the client going away.
+fn undecodable(e: &tonic::Status) -> bool {
+    e.code() == tonic::Code::Internal && e.message().contains("decode")
 }
 
 impl QuotaState {

@@ -222,7 +222,8 @@ impl RateLimitEdge {
     }
 }
 
-/// Refuses what Envoy never sends: no descriptors, too many, or an empty entry key.
+/// Refuses what Envoy never sends: no descriptors, too many, a descriptor without entries,
+/// or an empty entry key; the message names the descriptor's index.
 #[allow(
     clippy::result_large_err,
     reason = "tonic::Status is the trait's error type"
@@ -240,6 +241,11 @@ fn check_request(request: &RateLimitRequest) -> Result<(), tonic::Status> {
         )));
     }
     for (i, d) in request.descriptors.iter().enumerate() {
+        if d.entries.is_empty() {
+            return Err(tonic::Status::invalid_argument(format!(
+                "descriptors[{i}] has no entries"
+            )));
+        }
         if d.entries.len() > MAX_ENTRIES {
             return Err(tonic::Status::invalid_argument(format!(
                 "descriptors[{i}] has {} entries; at most {MAX_ENTRIES} are allowed",

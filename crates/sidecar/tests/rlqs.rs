@@ -322,3 +322,56 @@ async fn with_redis_down_a_fail_closed_rule_denies_and_a_fail_open_one_goes_on()
     let before = between(&closed_events, s(3.0), killed);
     assert!(before.iter().all(|&st| st == 200), "{before:?}");
 }
+
+/// A usage report that is not a protobuf message ends the stream with a gRPC error
+/// (`INVALID_ARGUMENT`) and a log line, not with status OK and silence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_usage_report_ends_the_stream_with_an_error() {
+    use http_body_util::BodyExt as _;
+    within(60, async {
+        let service = Sidecar::start("", &roomy_policy(), &["--rate-limit-service"]).await;
+        let tcp = tokio::net::TcpStream::connect(service.listen).await.unwrap();
+        let (mut sender, conn) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(tcp),
+        )
+        .await
+        .unwrap();
+        tokio::spawn(conn);
+        // One gRPC frame (uncompressed, 3 bytes) whose bytes are no protobuf message: field 1,
+        // length-delimited, with a length running past the end.
+        let frame = bytes::Bytes::from_static(&[0, 0, 0, 0, 3, 0x0a, 0x7f, 0x01]);
+        let req = http::Request::post(format!(
+            "http://{}/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas",
+            service.listen
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(http_body_util::Full::new(frame))
+        .unwrap();
+        let resp = sender.send_request(req).await.unwrap();
+        let (head, body) = resp.into_parts();
+        let collected = tokio::time::timeout(Duration::from_secs(10), body.collect())
+            .await
+            .expect("the stream ends")
+            .unwrap();
+        let trailers = collected.trailers().cloned().unwrap_or_default();
+        let status = head
+            .headers
+            .get("grpc-status")
+            .or_else(|| trailers.get("grpc-status"))
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("none")
+            .to_string();
+        assert_eq!(status, "3", "INVALID_ARGUMENT: {head:?} {trailers:?}");
+        let logged = poll_until(Duration::from_secs(5), "the log line", || async {
+            service
+                .logs()
+                .into_iter()
+                .find(|l| l.contains("could not be decoded"))
+        })
+        .await;
+        assert!(logged.contains("WARN"), "{logged}");
+    })
+    .await;
+}

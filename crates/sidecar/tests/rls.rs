@@ -231,9 +231,18 @@ async fn grpc_callers_get_per_descriptor_statuses_hits_as_cost_and_clear_errors(
     let codes: Vec<i32> = mixed.statuses.iter().map(|s| s.code).collect();
     assert_eq!(codes, [Code::OverLimit as i32, Code::Ok as i32]);
     assert_eq!(mixed.overall_code, Code::OverLimit as i32);
-    // Malformed: no descriptors, an empty entry key.
+    // Malformed: no descriptors, a descriptor without entries, an empty entry key.
     let err = rls.should_rate_limit(call(vec![], 1)).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    let err = rls
+        .should_rate_limit(call(vec![orders(), descriptor(&[])], 1))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message().contains("descriptors[1] has no entries"),
+        "{err:?}"
+    );
     let err = rls
         .should_rate_limit(call(vec![descriptor(&[("", "x")])], 1))
         .await
