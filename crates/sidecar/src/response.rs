@@ -334,10 +334,25 @@ pub fn unavailable(
     rule_index: usize,
     client_seed: u64,
 ) -> Response<Bytes> {
+    let status = StatusCode::SERVICE_UNAVAILABLE;
+    unavailable_as(rules, verdict, rule_index, client_seed, status)
+}
+
+/// [`unavailable`] with the status the client will get, for an edge whose gateway picks the
+/// status itself (Envoy's rate limit filter sends one status for every refusal): the problem
+/// body's `status` must be the response's (RFC 9457).
+pub fn unavailable_as(
+    rules: &RuleSet,
+    verdict: &Verdict,
+    rule_index: usize,
+    client_seed: u64,
+    status: StatusCode,
+) -> Response<Bytes> {
     let active = &rules.rules[rule_index];
     let retry = unavailable_retry_secs(client_seed);
-    let mut resp = Response::new(Bytes::from(unavailable_body(&active.rule, retry)));
-    *resp.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    let body = unavailable_body(&active.rule, retry, status.as_u16());
+    let mut resp = Response::new(Bytes::from(body));
+    *resp.status_mut() = status;
     let h = resp.headers_mut();
     h.insert(
         http::header::CONTENT_TYPE,
@@ -366,11 +381,11 @@ pub fn unavailable(
 }
 
 /// The problem+json body of the fail-closed 503 (off the hot path: serde_json is fine here).
-fn unavailable_body(rule: &CompiledRule, retry: u64) -> String {
+fn unavailable_body(rule: &CompiledRule, retry: u64, status: u16) -> String {
     serde_json::json!({
         "type": REDUCED_CAPACITY,
         "title": "Request cannot be satisfied due to temporary server capacity constraints",
-        "status": 503,
+        "status": status,
         "detail": format!(
             "Rule {:?} fails closed and its shared counter store is unreachable; retry after {retry} s.",
             rule.name

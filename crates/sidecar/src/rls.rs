@@ -12,8 +12,10 @@
 //! - reject: `OVER_LIMIT`, and the sidecar's 429 as the response Envoy sends (`Retry-After`,
 //!   the RateLimit fields, the problem body);
 //! - unavailable (a fail-closed rule while Redis is unreachable): `OVER_LIMIT` with the
-//!   sidecar's 503 headers and body, so the rule's declared failure mode holds whatever the
-//!   Envoy filter's own `failure_mode_deny` says. A fail-open rule admits from its share.
+//!   sidecar's 503 headers and `temporary-reduced-capacity` body, so the rule's declared
+//!   failure mode holds whatever the Envoy filter's own `failure_mode_deny` says. RLS has no
+//!   per-response status: Envoy sends its `rate_limited_status` (429 by default), so the body
+//!   says 429 too. A fail-open rule admits from its share.
 //!
 //! Envoy adds `response_headers_to_add` to the response the client gets, limited or not, so
 //! the RateLimit fields reach the client on admitted requests too.
@@ -304,13 +306,26 @@ fn descriptor_answer(rules: &RuleSet, verdict: &Verdict) -> DescriptorStatus {
             unit: unit_of(rule.limit.period_ms) as i32,
         });
         status.limit_remaining = u32::try_from(l.decision.remaining).unwrap_or(u32::MAX);
-        let reset = Duration::from_nanos(l.decision.reset);
-        status.duration_until_reset = Some(envoy_types::pb::google::protobuf::Duration {
-            seconds: i64::try_from(reset.as_secs()).unwrap_or(i64::MAX),
-            nanos: i32::try_from(reset.subsec_nanos()).unwrap_or(0),
-        });
+        status.duration_until_reset = until_reset(rule, &l.decision);
     }
     status
+}
+
+/// `duration_until_reset`, which Envoy sends as `x-ratelimit-reset`: the draft's `t` of the
+/// `RateLimit` field on the same response, in the same whole seconds (rounded up), so the two
+/// never disagree. For a token bucket that is the time to the next token (or, rejected, until
+/// this request's cost fits), not the time until the bucket is full, which grows with each hit.
+/// None for concurrency limits, which have no time dimension.
+fn until_reset(
+    rule: &tollgate_crd::compiled::CompiledRule,
+    decision: &tollgate_limiter::Decision,
+) -> Option<envoy_types::pb::google::protobuf::Duration> {
+    let t = response::effective_window(rule, decision)?;
+    let seconds = Duration::from_nanos(t).as_secs_f64().ceil();
+    Some(envoy_types::pb::google::protobuf::Duration {
+        seconds: seconds as i64,
+        nanos: 0,
+    })
 }
 
 /// RLS names only whole units; a period that is not one is reported as its nearest smaller
@@ -338,7 +353,10 @@ fn write_response(rules: &RuleSet, verdict: &Verdict, over: bool, answer: &mut R
             (p.headers, body)
         }
         Outcome::Unavailable(ri) if over => {
-            let (p, body) = response::unavailable(rules, verdict, ri, seed).into_parts();
+            // Envoy answers every OVER_LIMIT with its filter's one `rate_limited_status` (429 by
+            // default): the problem body says the status the client gets.
+            let status = http::StatusCode::TOO_MANY_REQUESTS;
+            let (p, body) = response::unavailable_as(rules, verdict, ri, seed, status).into_parts();
             (p.headers, body)
         }
         _ => {

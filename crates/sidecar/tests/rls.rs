@@ -70,7 +70,12 @@ spec:
 /// asking tollgate on `rls`. Started on this thread, which must outlive it (Envoy asks for
 /// SIGTERM when its parent thread ends).
 fn envoy(app: u16, rls: u16) -> Envoy {
-    let replace = [
+    envoy_with(app, rls, &[])
+}
+
+/// [`envoy`] with more replacements in the documented configuration.
+fn envoy_with(app: u16, rls: u16, more: &[(&str, String)]) -> Envoy {
+    let mut replace = vec![
         (
             "socket_address: {address: 127.0.0.1, port_value: 8080}",
             format!("socket_address: {{address: 127.0.0.1, port_value: {app}}}"),
@@ -80,6 +85,7 @@ fn envoy(app: u16, rls: u16) -> Envoy {
             format!("socket_address: {{address: 127.0.0.1, port_value: {rls}}}"),
         ),
     ];
+    replace.extend(more.iter().map(|(from, to)| (*from, to.clone())));
     tokio::task::block_in_place(|| Envoy::start(&doc_config("rls"), &replace))
 }
 
@@ -348,6 +354,25 @@ async fn with_redis_down_each_rule_keeps_its_failure_mode_without_waiting() {
     );
     assert_eq!(o_ok, o_sent, "fail-open admits everything");
     assert_eq!(c_ok, 0, "fail-closed refuses everything");
+    // The refusal Envoy sends is its rate_limited_status (429): the problem body says the same
+    // status, and what kind of refusal it is.
+    let refused = client
+        .get(via_closed.url("/"))
+        .header("x-api-key", "k")
+        .send()
+        .await
+        .unwrap();
+    let status = refused.status().as_u16();
+    let problem: serde_json::Value = refused.json().await.unwrap();
+    assert_eq!(status, 429);
+    assert_eq!(problem["status"], status, "{problem}");
+    assert!(
+        problem["type"]
+            .as_str()
+            .unwrap_or("")
+            .ends_with("temporary-reduced-capacity"),
+        "{problem}"
+    );
     // Envoy's filter waits 250 ms for tollgate; tollgate answers within its Redis timeout.
     assert!(slowest < 100, "slowest answer {slowest} ms");
     for e in [&via_open, &via_closed] {
@@ -370,4 +395,78 @@ fn assert_service_answered(envoy: &Envoy) {
         "no answers counted: {ok:?} {over:?}"
     );
     assert_eq!(errors.unwrap_or(0), 0, "calls to tollgate failed");
+}
+
+/// A request's cost through a real Envoy: the documented `set_filter_state` of
+/// `envoy.ratelimit.hits_addend` from `x-cost` reaches tollgate as `hits_addend`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_sends_a_request_cost_from_the_documented_filter_state() {
+    let app = Upstream::start().await;
+    let service = Sidecar::start("", POLICY, &["--rate-limit-service"]).await;
+    let envoy = envoy(app.addr.port(), service.listen.port());
+    let client = client();
+    let send = |key: &'static str, cost: Option<&'static str>| {
+        let mut r = client.get(envoy.url("/orders")).header("x-api-key", key);
+        if let Some(cost) = cost {
+            r = r.header("x-cost", cost);
+        }
+        async move { r.send().await.unwrap() }
+    };
+    // 5 a minute: a cost of 4 leaves 1, so a cost of 2 is over and a cost of 1 fits.
+    let first = send("c1", Some("4")).await;
+    assert_eq!(first.status(), 200);
+    let fields = header(&first, "ratelimit").to_string();
+    assert!(fields.contains("r=1"), "a cost of 4 of 5: {fields}");
+    assert_eq!(send("c1", Some("2")).await.status(), 429);
+    assert_eq!(
+        send("c1", None).await.status(),
+        200,
+        "no x-cost: a cost of 1"
+    );
+    assert_eq!(send("c1", None).await.status(), 429);
+    // A value that is not a number costs 1.
+    assert_eq!(send("c2", Some("lots")).await.status(), 200);
+    let fields = header(&send("c2", None).await, "ratelimit").to_string();
+    assert!(fields.contains("r=3"), "{fields}");
+    drop(envoy);
+}
+
+/// Envoy's `x-ratelimit-reset` (from `duration_until_reset`) and tollgate's `RateLimit` `t` on
+/// the same response agree, hit after hit of a token bucket, admitted and rejected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoys_x_ratelimit_reset_agrees_with_the_ratelimit_field() {
+    let app = Upstream::start().await;
+    let policy = POLICY.replace(
+        "limit: {requests: 5, period: 1m}",
+        "limit: {requests: 3, period: 36s, algorithm: TokenBucket}",
+    );
+    let service = Sidecar::start("", &policy, &["--rate-limit-service"]).await;
+    let x_headers = (
+        "failure_mode_deny: false",
+        "failure_mode_deny: false\n                      enable_x_ratelimit_headers: DRAFT_VERSION_03"
+            .to_string(),
+    );
+    let envoy = envoy_with(app.addr.port(), service.listen.port(), &[x_headers]);
+    let client = client();
+    let mut seen = Vec::new();
+    for _ in 0..5 {
+        let r = client
+            .get(envoy.url("/orders"))
+            .header("x-api-key", "r1")
+            .send()
+            .await
+            .unwrap();
+        let reset = header_u64(&r, "x-ratelimit-reset");
+        let t = sf_list(r.headers(), "ratelimit")
+            .iter()
+            .find_map(|i| i.int("t"))
+            .expect("t in RateLimit");
+        seen.push((r.status().as_u16(), reset, t));
+    }
+    eprintln!("(status, x-ratelimit-reset, t): {seen:?}");
+    for (status, reset, t) in &seen {
+        assert_eq!(*reset as i64, *t, "status {status}: {seen:?}");
+    }
+    assert_eq!(seen.iter().filter(|s| s.0 == 429).count(), 2, "{seen:?}");
+    drop(envoy);
 }
