@@ -6,7 +6,8 @@
 //! controller replica to see it empty fills it with 32 random bytes, the others read that.
 //! The value never changes on its own: identities stay comparable across restarts, upgrades
 //! and reinstalls (the Secret is kept on uninstall). Rotating it is an operator's decision
-//! (docs/operations.md).
+//! (docs/operations.md): the controller reads the Secret again every [`RECHECK`] and streams a
+//! new value to every connected sidecar, without a restart.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +23,9 @@ use tokio::sync::watch;
 pub const DATA_KEY: &str = "secret";
 /// Shortest secret accepted from the Secret (bytes of its text).
 const MIN_BYTES: usize = 16;
+/// How often the Secret is read again for a rotation (a `get`, so the controller needs no
+/// `list`/`watch` on Secrets).
+pub const RECHECK: Duration = Duration::from_secs(30);
 
 /// Reads the secret, filling the Secret first if it is empty. `Ok(None)`: the Secret does not
 /// exist (the chart was told not to create it), which is not an error.
@@ -71,7 +75,8 @@ fn stored(secret: &Secret) -> Option<Arc<str>> {
 }
 
 /// Loads the secret in the background, retrying every 5 s until it has it (or learns there is
-/// none), and publishes it to `tx`: streams opened from then on carry it.
+/// none), and publishes it to `tx`: streams opened from then on carry it, and open streams
+/// get it in a new snapshot. Then reads it again every [`RECHECK`], publishing a rotated value.
 pub async fn follow(
     client: kube::Client,
     namespace: String,
@@ -83,6 +88,7 @@ pub async fn follow(
         match load_or_fill(&client, &namespace, &name).await {
             Ok(Some(value)) => {
                 tx.send_replace(Some(value));
+                watch_rotation(&client, &namespace, &name, &tx, RECHECK).await;
                 return;
             }
             Ok(None) => {
@@ -98,6 +104,56 @@ pub async fn follow(
             }
         }
         tokio::time::sleep(Duration::from_secs(5)).await;
+    }
+}
+
+/// Reads the Secret every `recheck` and publishes a value that changed. A Secret that is gone
+/// or emptied keeps the last value in force (logged once): identities do not fall back to
+/// per-process ones because of a mistake.
+async fn watch_rotation(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    tx: &watch::Sender<Option<Arc<str>>>,
+    recheck: Duration,
+) {
+    let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
+    let mut complained = false;
+    loop {
+        tokio::time::sleep(recheck).await;
+        if tx.is_closed() {
+            return;
+        }
+        match api.get_opt(name).await {
+            Ok(Some(secret)) => match stored(&secret) {
+                Some(value) => {
+                    complained = false;
+                    let rotated = tx.send_if_modified(|cur| {
+                        let changed = cur.as_deref() != Some(&*value);
+                        if changed {
+                            *cur = Some(value.clone());
+                        }
+                        changed
+                    });
+                    if rotated {
+                        tracing::info!(secret = %format!("{namespace}/{name}"), "the key-hash secret was rotated: streaming it to every sidecar");
+                    }
+                }
+                None if !complained => {
+                    complained = true;
+                    tracing::warn!(secret = %format!("{namespace}/{name}"), "the key-hash Secret holds no usable value now; keeping the last one");
+                }
+                None => {}
+            },
+            Ok(None) if !complained => {
+                complained = true;
+                tracing::warn!(secret = %format!("{namespace}/{name}"), "the key-hash Secret is gone; keeping the last value");
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read the key-hash Secret; trying again later")
+            }
+        }
     }
 }
 

@@ -362,6 +362,7 @@ impl Server {
             sent_members: None,
             metrics: self.inner.metrics.clone(),
             key_hash_secret: self.inner.config.key_hash_secret.clone(),
+            key_hash_final: false,
             _open: OpenStream::new(self.inner.metrics.clone()),
             _conn: conn,
         };
@@ -594,7 +595,10 @@ struct RuleStream {
     sent_version: Option<u64>,
     sent_members: Option<BTreeMap<String, u32>>,
     metrics: Arc<Metrics>,
+    /// A new value (a rotation) is sent at once, in a snapshot of the current version.
     key_hash_secret: watch::Receiver<Option<Arc<str>>>,
+    /// The secret's sender is gone (no Secret to follow): stop waiting for changes.
+    key_hash_final: bool,
     _open: OpenStream,
     _conn: Connection,
 }
@@ -668,6 +672,16 @@ impl RuleStream {
                     }
                     self.check = true;
                 }
+                r = self.key_hash_secret.changed(), if !self.key_hash_final => {
+                    match r {
+                        // Sidecars take the secret from snapshots: send the current one again.
+                        Ok(()) => {
+                            self.sent_version = None;
+                            self.check = true;
+                        }
+                        Err(_) => self.key_hash_final = true,
+                    }
+                }
                 _ = self.heartbeat.tick() => {
                     return Some(StreamMessage::Heartbeat {
                         version: self.sent_version.unwrap_or(0),
@@ -686,7 +700,11 @@ impl RuleStream {
             policies: cur.policies.iter().map(|p| (**p).clone()).collect(),
             members: cur.members,
             epoch: self.epoch.clone(),
-            key_hash_secret: self.key_hash_secret.borrow().as_deref().map(str::to_string),
+            key_hash_secret: self
+                .key_hash_secret
+                .borrow_and_update()
+                .as_deref()
+                .map(str::to_string),
         }
     }
 }

@@ -443,6 +443,8 @@ async fn stream_once(
     tracing::info!(controller = %config.url, "rule stream connected");
     let interrupted = |e: String| Ended::new(EndCause::Interrupted, e);
     let mut buf: Vec<u8> = Vec::new();
+    // (epoch, version) of the last snapshot this stream delivered and this sidecar applied.
+    let mut applied_here: Option<(String, u64)> = None;
     loop {
         let frame = match tokio::time::timeout(config.idle_timeout, body.frame()).await {
             Err(_) => return interrupted(format!("no message for {:?}", config.idle_timeout)),
@@ -476,6 +478,12 @@ async fn stream_once(
                     if let Some(secret) = &key_hash_secret {
                         shared.audit.adopt_controller_secret(secret);
                     }
+                    if applied_here.as_ref() == Some(&(epoch.clone(), version)) {
+                        // The same rules sent again on this stream for a rotated key-hash
+                        // secret (taken above): nothing to apply or acknowledge.
+                        continue;
+                    }
+                    applied_here = Some((epoch.clone(), version));
                     let snapshot = Snapshot {
                         wire_version,
                         version,

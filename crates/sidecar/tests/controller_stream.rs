@@ -689,3 +689,42 @@ async fn a_refused_ack_starts_the_stream_over_with_backoff() {
     })
     .await;
 }
+
+/// A rotated key-hash secret comes as the same snapshot again on the open stream: the sidecar
+/// takes the secret and neither re-applies nor re-acknowledges the rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_snapshot_brings_a_rotated_key_hash_secret_only() {
+    within(60, async {
+        let upstream = Upstream::start().await;
+        let controller = FakeController::start(0, vec![snapshot(1, 2)]).await;
+        let url = format!("http://127.0.0.1:{}", controller.port);
+        let (s, _token_dir) = stream_sidecar(&upstream, &url, "test-token", &[]).await;
+        poll_until(Duration::from_secs(10), "ack of v1", || async {
+            (controller.seen.lock().unwrap().acks.len() == 1).then_some(())
+        })
+        .await;
+        assert_eq!(admitted(&s, "a", 1).await, 1);
+        let mut resent: serde_json::Value = serde_json::from_str(&snapshot(1, 2)).unwrap();
+        resent["keyHashSecret"] = "0123456789abcdef0123456789abcdef".into();
+        controller.push(resent.to_string());
+        poll_until(Duration::from_secs(10), "the secret taken", || async {
+            s.logs()
+                .iter()
+                .any(|l| l.contains("key identities now follow the installation's key-hash secret"))
+                .then_some(())
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            controller.seen.lock().unwrap().acks.len(),
+            1,
+            "not acked again"
+        );
+        assert_eq!(
+            admitted(&s, "a", 3).await,
+            1,
+            "not re-applied: the key's bucket kept its count"
+        );
+    })
+    .await;
+}

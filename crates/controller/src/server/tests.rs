@@ -247,6 +247,37 @@ async fn snapshots_carry_the_key_hash_secret_once_loaded() {
     );
 }
 
+/// A rotated key-hash secret reaches open streams at once, in a snapshot of the version they
+/// hold (the rules did not change).
+#[tokio::test]
+async fn a_rotated_key_hash_secret_reaches_open_streams() {
+    let (tx, rx) = tokio::sync::watch::channel(Some("0123456789abcdef-old".into()));
+    let s = start(ServerConfig {
+        key_hash_secret: rx,
+        ..config()
+    })
+    .await;
+    let (_c, mut lines) = watch(s.addr, "namespace=shop&pod=api-1", API1).await;
+    let first = lines.next().await;
+    let StreamMessage::Snapshot { version, .. } = first.clone() else {
+        panic!("{first:?}")
+    };
+    assert_eq!(
+        key_hash_secret_of(first).as_deref(),
+        Some("0123456789abcdef-old")
+    );
+    tx.send_replace(Some("0123456789abcdef-new".into()));
+    let next = lines.next().await;
+    let StreamMessage::Snapshot { version: again, .. } = next.clone() else {
+        panic!("{next:?}")
+    };
+    assert_eq!(again, version, "same rules, same version");
+    assert_eq!(
+        key_hash_secret_of(next).as_deref(),
+        Some("0123456789abcdef-new")
+    );
+}
+
 /// The key-hash secret a snapshot carries.
 fn key_hash_secret_of(m: StreamMessage) -> Option<String> {
     match m {
