@@ -36,7 +36,9 @@ use tokio::sync::watch;
 use tollgate_crd::RateLimitPolicy;
 
 use crate::index::{PolicyView, SharedIndex};
-use crate::webhook::inject::{DISABLED, INJECT, SIDECAR_VERSION, UNPROTECTED_PORTS};
+use crate::webhook::inject::{
+    DISABLED, INJECT, INJECTED_BY, SIDECAR_VERSION, UNPROTECTED_PORTS, parse_injector_id,
+};
 
 /// Field manager of the coverage fields of a policy's status.
 pub const FIELD_MANAGER: &str = "tollgate-controller-coverage";
@@ -73,6 +75,8 @@ pub struct PodFacts {
     /// `tollgate.dev/inject: disabled` on the pod: left alone on purpose.
     pub opted_out: bool,
     pub unprotected_ports: Option<String>,
+    /// The [`INJECTED_BY`] annotation: the injecting process's start and settings hash.
+    pub injected_by: Option<(i64, String)>,
     /// The managing owner (`controller: true`).
     pub owner: Option<OwnerReference>,
     /// `metadata.creationTimestamp`, seconds since the epoch.
@@ -96,6 +100,10 @@ impl PodFacts {
             has_sidecar: annotations.contains_key(SIDECAR_VERSION),
             opted_out,
             unprotected_ports: annotations.get(UNPROTECTED_PORTS).cloned(),
+            injected_by: annotations
+                .get(INJECTED_BY)
+                .and_then(|v| parse_injector_id(v))
+                .map(|(t, h)| (t, h.to_string())),
             owner: m
                 .owner_references
                 .iter()
@@ -184,6 +192,24 @@ impl PodTable {
             .collect()
     }
 
+    /// Pods created since `current` (this process's injector id) started, but injected by an
+    /// older process with other settings: an old replica answered the webhook during a
+    /// rollout. Pods created before are left alone (an upgrade never re-injects running pods).
+    fn outdated(&self, current: (i64, &str)) -> Vec<PodFacts> {
+        let (started, hash) = current;
+        self.pods
+            .values()
+            .filter(|p| p.has_sidecar && !p.deleting)
+            .filter(|p| p.created.is_some_and(|c| c >= started))
+            .filter(|p| {
+                p.injected_by
+                    .as_ref()
+                    .is_some_and(|(t, h)| *t < started && h != hash)
+            })
+            .cloned()
+            .collect()
+    }
+
     /// The pods `owner` manages.
     fn owned_by(&self, owner_uid: &str) -> impl Iterator<Item = &PodFacts> {
         self.pods
@@ -205,6 +231,7 @@ struct ResultLabels {
 #[derive(Clone, Debug, Default)]
 pub struct CoverageMetrics {
     bare: Gauge,
+    outdated: Gauge,
     restarts: Family<ResultLabels, Counter>,
 }
 
@@ -215,6 +242,11 @@ impl CoverageMetrics {
             "pods_without_sidecar",
             "Pods a RateLimitPolicy selects that run without the tollgate sidecar (their traffic is not limited)",
             m.bare.clone(),
+        );
+        registry.register(
+            "pods_with_outdated_sidecar",
+            "Pods injected during a rollout by an older controller replica with other sidecar settings",
+            m.outdated.clone(),
         );
         registry.register(
             "pod_restarts",
@@ -261,6 +293,8 @@ pub struct Coverage {
     owners: HashMap<String, OwnerRestart>,
     /// Pods whose sidecar this replica has seen on a rule stream.
     streamed: HashSet<(String, String)>,
+    /// This process's [`INJECTED_BY`] value, when it serves the injection webhook.
+    injector: Option<(i64, String)>,
 }
 
 impl Coverage {
@@ -293,7 +327,18 @@ impl Coverage {
             pod_events: HashSet::new(),
             owners: HashMap::new(),
             streamed: HashSet::new(),
+            injector: None,
         }
+    }
+
+    /// Also reports (and with `restart`, evicts) pods injected during a rollout by an older
+    /// replica with other settings; `injector` is this process's [`INJECTED_BY`] value.
+    pub fn with_injector(mut self, injector: Option<String>) -> Coverage {
+        self.injector = injector
+            .as_deref()
+            .and_then(parse_injector_id)
+            .map(|(t, h)| (t, h.to_string()));
+        self
     }
 
     /// Checks every `interval` while leading, until `shutdown`.
@@ -326,12 +371,16 @@ impl Coverage {
             }
         }
         let now = now_seconds();
-        let (by_policy, young) = {
+        let (by_policy, young, outdated) = {
             let pods = self.pods.lock();
             self.streamed.retain(|key| pods.pods.contains_key(key));
             (
                 pods.bare_pods_by_policy(&views, &self.streamed, now),
                 pods.young_with_unprotected_ports(now - UNPROTECTED_PORTS_EVENT_AGE),
+                self.injector
+                    .as_ref()
+                    .map(|(t, h)| pods.outdated((*t, h)))
+                    .unwrap_or_default(),
             )
         };
         let mut bare: BTreeMap<(String, String), (PodFacts, String)> = BTreeMap::new();
@@ -353,8 +402,19 @@ impl Coverage {
         for pod in &young {
             self.report_unprotected_ports(pod).await;
         }
+        self.metrics
+            .outdated
+            .set(i64::try_from(outdated.len()).unwrap_or(i64::MAX));
+        for pod in &outdated {
+            self.report_outdated(pod).await;
+        }
         if self.restart {
-            self.restart_bare(bare.values().map(|(p, _)| p)).await;
+            let candidates: Vec<PodFacts> = bare
+                .values()
+                .map(|(p, _)| p.clone())
+                .chain(outdated)
+                .collect();
+            self.restart_bare(candidates.iter()).await;
         }
     }
 
@@ -462,6 +522,18 @@ impl Coverage {
              Delete the pod to re-create it with the sidecar."
         );
         self.publish(&pod_reference(pod), "SidecarMissing", &note)
+            .await;
+    }
+
+    async fn report_outdated(&mut self, pod: &PodFacts) {
+        let Some(uid) = &pod.uid else { return };
+        if !self.pod_events.insert(format!("outdated/{uid}")) {
+            return;
+        }
+        let note = "injected during a rollout by an older tollgate controller replica, with \
+                    sidecar settings that differ from the current ones: re-create the pod to get \
+                    the current sidecar (docs/install.md, \"Upgrades\")";
+        self.publish(&pod_reference(pod), "SidecarSettingsOutdated", note)
             .await;
     }
 
@@ -646,6 +718,33 @@ mod tests {
             k8s_openapi::jiff::Timestamp::now(),
         ));
         assert!(!facts(deleting).bare());
+    }
+
+    #[test]
+    fn pods_an_older_replica_injected_during_the_rollout_are_outdated() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        let at = |secs: i64| {
+            Some(Time(
+                k8s_openapi::jiff::Timestamp::from_second(secs).unwrap(),
+            ))
+        };
+        let mut t = PodTable::default();
+        for (name, created, by) in [
+            ("during-old", 1_000, "900.aaaa"), // old replica, other settings, after our start
+            ("during-same", 1_000, "900.bbbb"), // old replica, the same settings
+            ("before-old", 800, "700.aaaa"),   // created before our start: an upgrade leaves it
+            ("during-newer", 1_000, "990.cccc"), // a replica newer than us
+        ] {
+            let mut m = meta(name, &[], &[(SIDECAR_VERSION, "0.1.0"), (INJECTED_BY, by)]);
+            m.creation_timestamp = at(created);
+            t.apply(PodFacts::from_metadata(&m).unwrap());
+        }
+        let names: Vec<String> = t
+            .outdated((950, "bbbb"))
+            .into_iter()
+            .map(|p| p.name)
+            .collect();
+        assert_eq!(names, ["during-old"]);
     }
 
     #[test]

@@ -99,6 +99,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let (metrics, mut registry) = Metrics::new(index.clone());
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let pod_table = crate::coverage::PodTable::shared();
+    // Written on every pod this process injects, with its settings' hash (see coverage).
+    let started = k8s_openapi::jiff::Timestamp::now().as_second();
     let retired = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let coverage_metrics = crate::coverage::CoverageMetrics::register(&mut registry);
 
@@ -274,6 +276,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         identity.clone(),
         args.restart_pods_without_sidecar,
         args.coverage_interval,
+    )
+    .with_injector(
+        args.webhook
+            .webhook_cert_dir
+            .as_ref()
+            .and_then(|_| args.webhook.inject_config().ok())
+            .map(|cfg| crate::webhook::inject::injector_id(&cfg, started)),
     );
     tokio::spawn(
         coverage
@@ -296,8 +305,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .with_metrics(metrics.clone()),
     );
     // Admission webhooks (their metrics join the registry before the server takes it).
-    let certs =
-        crate::webhook::start(&client, &args.webhook, &mut registry, shutdown_rx.clone()).await?;
+    let certs = crate::webhook::start(
+        &client,
+        &args.webhook,
+        &mut registry,
+        (started, shutdown_rx.clone()),
+    )
+    .await?;
     let tls_listener = match (args.tls_listen, &certs) {
         (None, _) => None,
         (Some(addr), Some(certs)) => {

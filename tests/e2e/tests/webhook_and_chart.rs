@@ -1374,6 +1374,60 @@ fn pods_created_while_the_webhook_is_down_are_refused_where_required_reported_an
         event_about(&events(&cp, "shop", "UnprotectedPorts"), "metrics-1").map(|_| ())
     });
 
+    // A rollout: a replica with other sidecar settings starts while the old one still answers
+    // the webhook. A pod the old one injects from then on is reported by the new one.
+    assert!(
+        p["metadata"]["annotations"]["tollgate.dev/injected-by"]
+            .as_str()
+            .is_some_and(|v| v.contains('.')),
+        "{p:#}"
+    );
+    let new_stream = free_port();
+    let new_args: Vec<String> = args
+        .iter()
+        .map(|a| {
+            if a.starts_with("--listen=") {
+                format!("--listen=127.0.0.1:{new_stream}")
+            } else if a.starts_with("--webhook-listen=") {
+                format!("--webhook-listen=127.0.0.1:{}", free_port())
+            } else {
+                a.clone()
+            }
+        })
+        .chain(["--sidecar-arg=--log=debug".to_string()])
+        .collect();
+    let mut new = Controller::start("controller-new", &cp.kubeconfig(), &new_args, work.path());
+    wait_for("the new replica", Duration::from_secs(30), || {
+        new.assert_running();
+        metric(new_stream, "tollgate_controller_pods_with_outdated_sidecar").map(|_| ())
+    });
+    std::thread::sleep(Duration::from_millis(1100)); // creation times have whole seconds
+    let late = create(
+        &cp,
+        &pod("late-1", "shop", json!({"app": "web"}), json!({})),
+        false,
+    )
+    .unwrap();
+    assert!(
+        sidecar_of(&late).is_some(),
+        "injected by the old replica: {late:#}"
+    );
+    wait_for(
+        "a SidecarSettingsOutdated event",
+        Duration::from_secs(30),
+        || {
+            new.assert_running();
+            event_about(&events(&cp, "shop", "SidecarSettingsOutdated"), "late-1").map(|_| ())
+        },
+    );
+    assert_eq!(
+        metric(new_stream, "tollgate_controller_pods_with_outdated_sidecar"),
+        Some(1.0)
+    );
+    // Pods created before the new replica started (metrics-1) are not its business.
+    assert!(event_about(&events(&cp, "shop", "SidecarSettingsOutdated"), "metrics-1").is_none());
+    drop(new);
+
     // Opted in to restarts: the owned pod is evicted (its owner would re-create it through
     // the webhook); the pod nothing owns is only reported.
     drop(ctl);

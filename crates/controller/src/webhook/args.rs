@@ -299,6 +299,7 @@ impl WebhookArgs {
             extra_args: self.sidecar_args.clone(),
             drain_delay_seconds: self.sidecar_drain_delay.as_secs() as i64,
             controller_ca: None,
+            injected_by: None,
         };
         cfg.check()?;
         Ok(cfg)

@@ -37,6 +37,11 @@ pub const REWRITE_PORT: &str = "tollgate.dev/rewrite-port";
 pub const DRAIN_DELAY: &str = "tollgate.dev/drain-delay";
 /// Pod annotation written on injection: the sidecar's version.
 pub const SIDECAR_VERSION: &str = "tollgate.dev/sidecar-version";
+/// Pod annotation written on injection: which controller process injected the pod and with
+/// which settings, `<start, Unix seconds>.<settings hash>` (see [`injector_id`]). During a
+/// rollout an old replica still answers the webhook; the controller finds pods it injected
+/// with outdated settings from this.
+pub const INJECTED_BY: &str = "tollgate.dev/injected-by";
 /// Pod annotation written on injection when app containers declare TCP ports besides the one
 /// the sidecar forwards to: those ports (`name:port` or `port`, comma-separated) reach the app
 /// without any limit. The controller turns it into a Warning Event on the pod.
@@ -86,6 +91,29 @@ pub struct InjectConfig {
     /// PEM CA of an `https://` controller URL, given to the sidecar as `TOLLGATE_CONTROLLER_CA`
     /// (public material; set per review from the current certificate directory).
     pub controller_ca: Option<String>,
+    /// Value of the [`INJECTED_BY`] annotation; none in tests and examples.
+    pub injected_by: Option<String>,
+}
+
+/// `<started>.<hash>`: the process start (Unix seconds) and a hash of the settings that shape
+/// the injected sidecar (everything but the per-review CA and this id).
+pub fn injector_id(cfg: &InjectConfig, started: i64) -> String {
+    use std::hash::{Hash, Hasher};
+    let settings = InjectConfig {
+        controller_ca: None,
+        injected_by: None,
+        ..cfg.clone()
+    };
+    // SipHash with fixed keys: the same settings give the same hash in every replica.
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    format!("{settings:?}").hash(&mut h);
+    format!("{started}.{:016x}", h.finish())
+}
+
+/// The parts of an [`INJECTED_BY`] value.
+pub fn parse_injector_id(value: &str) -> Option<(i64, &str)> {
+    let (started, hash) = value.split_once('.')?;
+    Some((started.parse().ok()?, hash))
 }
 
 /// Redis settings passed to the sidecar. Secrets and certificates reach it as files from
@@ -188,6 +216,7 @@ impl InjectConfig {
             extra_args: Vec::new(),
             drain_delay_seconds: 5,
             controller_ca: None,
+            injected_by: None,
         }
     }
 }
@@ -858,6 +887,9 @@ pub fn patch(raw: &Value, pod: &Pod, cfg: &InjectConfig, plan: &Plan) -> Patch {
 
     let mut annotations = BTreeMap::new();
     annotations.insert(SIDECAR_VERSION, cfg.version.clone());
+    if let Some(id) = &cfg.injected_by {
+        annotations.insert(INJECTED_BY, id.clone());
+    }
     if !plan.unprotected_ports.is_empty() {
         annotations.insert(UNPROTECTED_PORTS, plan.unprotected_ports.join(","));
     }
@@ -1163,6 +1195,35 @@ mod tests {
         assert_eq!(plan.unprotected_ports_warning(), None);
         let text = serde_json::to_string(&patch(&raw, &p, &cfg, &plan)).unwrap();
         assert!(!text.contains(UNPROTECTED_PORTS), "{text}");
+    }
+
+    #[test]
+    fn the_injector_id_names_the_process_and_its_settings() {
+        let cfg = InjectConfig::example();
+        let id = injector_id(&cfg, 1_700_000_000);
+        let (started, hash) = parse_injector_id(&id).unwrap();
+        assert_eq!(started, 1_700_000_000);
+        assert_eq!(injector_id(&cfg, 1_700_000_000), id, "stable");
+        let mut with_ca = cfg.clone();
+        with_ca.controller_ca = Some("pem".into());
+        assert_eq!(
+            injector_id(&with_ca, 1_700_000_000),
+            id,
+            "the CA is per review"
+        );
+        let mut other = cfg.clone();
+        other.image = "ghcr.io/tollgate-dev/tollgate-sidecar:0.2.0".into();
+        let other_id = injector_id(&other, 1_700_000_000);
+        assert_ne!(parse_injector_id(&other_id).unwrap().1, hash);
+        let mut annotated = cfg;
+        annotated.injected_by = Some(id.clone());
+        let (raw, p) = pod(app(json!([{"containerPort":8080}])));
+        let plan = decide(&p, true, &annotated).unwrap();
+        let text = serde_json::to_string(&patch(&raw, &p, &annotated, &plan)).unwrap();
+        assert!(
+            text.contains(&format!(r#""tollgate.dev/injected-by":"{id}""#)),
+            "{text}"
+        );
     }
 
     #[test]

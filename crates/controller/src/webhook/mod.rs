@@ -431,17 +431,20 @@ pub async fn serve(
 /// Starts the webhook server (and the self-signed certificate manager) when
 /// `--webhook-cert-dir` is set. Call before the registry is handed to the rule-stream server.
 /// Returns the serving certificate (kept current), which the rule stream's TLS listener shares.
+/// `started`: the process start (Unix seconds), written with the settings' hash on every
+/// injected pod ([`inject::INJECTED_BY`]).
 pub async fn start(
     client: &kube::Client,
     args: &WebhookArgs,
     registry: &mut Registry,
-    shutdown: watch::Receiver<bool>,
+    (started, shutdown): (i64, watch::Receiver<bool>),
 ) -> anyhow::Result<Option<Arc<CertStore>>> {
     let Some(dir) = args.webhook_cert_dir.clone() else {
         tracing::info!("admission webhooks off (no --webhook-cert-dir)");
         return Ok(None);
     };
-    let config = args.inject_config()?;
+    let mut config = args.inject_config()?;
+    config.injected_by = Some(inject::injector_id(&config, started));
     let metrics = WebhookMetrics::register(registry);
     let store = CertStore::new();
     let tls = Arc::new(tls::server_config(store.clone())?);
