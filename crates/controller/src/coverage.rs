@@ -650,6 +650,17 @@ impl Coverage {
     }
 }
 
+/// `status` without the fields this module writes (`podsWithoutSidecar`, the
+/// `SidecarsInjected` condition), for the status writer to compare what it owns.
+pub fn without_coverage(
+    status: &tollgate_crd::policy::RateLimitPolicyStatus,
+) -> tollgate_crd::policy::RateLimitPolicyStatus {
+    let mut s = status.clone();
+    s.pods_without_sidecar = None;
+    s.conditions.retain(|c| c.type_ != CONDITION);
+    s
+}
+
 fn now_seconds() -> i64 {
     k8s_openapi::jiff::Timestamp::now().as_second()
 }
@@ -745,6 +756,35 @@ mod tests {
             .map(|p| p.name)
             .collect();
         assert_eq!(names, ["during-old"]);
+    }
+
+    #[test]
+    fn the_status_writer_compares_without_the_coverage_fields() {
+        let mut status = tollgate_crd::policy::RateLimitPolicyStatus {
+            rule_count: Some(1),
+            pods_without_sidecar: Some(2),
+            ..Default::default()
+        };
+        status
+            .conditions
+            .push(k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+                type_: CONDITION.into(),
+                status: "False".into(),
+                reason: "PodsWithoutSidecar".into(),
+                message: String::new(),
+                observed_generation: None,
+                last_transition_time: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                    k8s_openapi::jiff::Timestamp::now(),
+                ),
+            });
+        let own = without_coverage(&status);
+        assert_eq!(
+            own,
+            tollgate_crd::policy::RateLimitPolicyStatus {
+                rule_count: Some(1),
+                ..Default::default()
+            }
+        );
     }
 
     #[test]

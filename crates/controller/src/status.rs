@@ -425,7 +425,12 @@ impl StatusWriter {
                 .top_keys
                 .as_ref()
                 .and_then(|t| t.of(&view.namespace, &view.name, view.uid.as_deref()));
-            if view.observed_status.as_ref() == Some(&desired) {
+            // Compared without the fields `crate::coverage` writes under its own field manager.
+            let observed = view
+                .observed_status
+                .as_ref()
+                .map(crate::coverage::without_coverage);
+            if observed.as_ref() == Some(&desired) {
                 continue;
             }
             if let Some(w) = previous {
