@@ -297,6 +297,29 @@ fn kubectl_tollgate_status_top_and_check_against_a_real_api_server() {
     );
     assert!(said.contains("spec.rules[0].limit.burts"), "{said}");
 
+    // why: the balance to read is local or redis; a pod without a sidecar (the harness's pods
+    // have none and no kubelet: tests/node asks real pods) is refused with the reason.
+    let refused = failed(
+        &cp,
+        &["why", "-n", "shop", "--pod", "p0", "--balance", "etcd"],
+        2,
+    );
+    assert!(
+        refused.contains("local") && refused.contains("redis"),
+        "{refused}"
+    );
+    let help = ok(&cp, &["why", "--help"]);
+    assert!(help.contains("--balance"), "{help}");
+    let no_sidecar = failed(
+        &cp,
+        &["why", "-n", "shop", "--pod", "p0", "--balance", "redis"],
+        1,
+    );
+    assert!(
+        no_sidecar.contains("has no tollgate sidecar"),
+        "{no_sidecar}"
+    );
+
     for s in &mut sidecars {
         s.proc.stop(Duration::from_secs(10));
     }
