@@ -1,7 +1,9 @@
 //! The Envoy rate limit service edge (`--rate-limit-service`, RLS v3) behind a real Envoy 1.40
 //! (`envoy.filters.http.ratelimit`, descriptors from `rate_limits` actions) in front of an app:
 //! exact counts for a small per-key limit, the RateLimit fields and the 429 body reaching the
-//! client, and, over gRPC directly, `hits_addend` as cost, per-descriptor statuses and
+//! client, a request's cost set the documented way (the filter state Envoy sends as
+//! `hits_addend`), Envoy's `x-ratelimit-reset` agreeing with `t`, a fail-closed refusal whose
+//! body says the status Envoy sends; and, over gRPC directly, per-descriptor statuses and
 //! malformed requests refused.
 #![allow(
     clippy::unwrap_used,
