@@ -93,7 +93,8 @@ pub struct RunArgs {
     #[arg(long, env = "TOLLGATE_FAST_HTTP1", default_value_t = true, action = clap::ArgAction::Set)]
     pub fast_http1: bool,
 
-    /// Most rejection audit lines written per second; the rest are only counted.
+    /// Most audit lines (429 rejections and fail-closed 503s) written per second; the rest are
+    /// only counted.
     #[arg(long, env = "TOLLGATE_AUDIT_PER_SECOND", default_value_t = 100)]
     pub audit_per_second: u64,
 
