@@ -354,7 +354,7 @@ pub async fn run(
         let e = ended.error;
         health.failed(&e);
         if ended.cause == EndCause::Refused {
-            tracing::error!(error = %e, controller = %config.url, "the controller refuses this pod's identity; no new rules until it accepts it (check the token's audience and the controller's --token-audience)");
+            tracing::error!(error = %e, controller = %config.url, "the controller refuses this pod's rule stream (401/403, its answer says why: usually the token's audience against the controller's --token-audience, or a plain http:// URL where it serves TLS only); no new rules until it accepts it");
         } else if shared.ready.load(std::sync::atomic::Ordering::Acquire) {
             tracing::warn!(error = %e, controller = %config.url, "rule stream interrupted; enforcing the last-known-good rules");
         } else {
