@@ -215,4 +215,34 @@ fn the_fleets_most_limited_keys_reach_the_policy_status() {
         assert_eq!(e["pods"], serde_json::json!(pods), "{key}");
         assert_eq!(e["podCount"].as_u64(), Some(pods.len() as u64), "{key}");
     }
+
+    // Deleted and created again under its name: a new object that rejected nobody yet. The
+    // counts of the deleted one (still in the window) must not show up in its status.
+    cp.ok(&["delete", "rlp", "-n", "shop", "shop-api-keys"]);
+    cp.apply(&shop_policy(LIMIT).replace("limit: {", "scope: Local\n    limit: {"))
+        .expect("re-create policy");
+    wait(
+        "the re-created policy programmed on all 3 sidecars",
+        Duration::from_secs(30),
+        || {
+            cp.ok(&[
+                "get",
+                "rlp",
+                "-n",
+                "shop",
+                "shop-api-keys",
+                "-o",
+                "jsonpath={.status.sidecarsInSync}",
+            ])
+            .trim()
+                == "3"
+        },
+    );
+    // Several refreshes (1 s each) and status passes later, still nothing.
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(
+        top_limited_keys(&cp),
+        serde_json::Value::Null,
+        "a re-created policy starts without the deleted one's top keys"
+    );
 }
