@@ -374,6 +374,14 @@ impl Coverage {
         let (by_policy, young, outdated) = {
             let pods = self.pods.lock();
             self.streamed.retain(|key| pods.pods.contains_key(key));
+            // Forget the Events of pods that are gone (keys are `<kind>/<uid>`).
+            let live: HashSet<&str> = pods
+                .pods
+                .values()
+                .filter_map(|p| p.uid.as_deref())
+                .collect();
+            self.pod_events
+                .retain(|k| k.split_once('/').is_some_and(|(_, uid)| live.contains(uid)));
             (
                 pods.bare_pods_by_policy(&views, &self.streamed, now),
                 pods.young_with_unprotected_ports(now - UNPROTECTED_PORTS_EVENT_AGE),
