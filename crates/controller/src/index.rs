@@ -621,6 +621,7 @@ impl Index {
         dirty.dedup();
         for ns in &dirty {
             self.publish_namespace(ns);
+            self.note_programmed(ns);
         }
         let namespaces: Vec<String> = self.namespaces.keys().cloned().collect();
         for ns in namespaces {
