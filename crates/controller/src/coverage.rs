@@ -45,7 +45,7 @@ pub const FIELD_MANAGER: &str = "tollgate-controller-coverage";
 /// Label of tollgate's own pods, which the webhooks never inject.
 pub const CONTROL_PLANE_LABEL: &str = "tollgate.dev/control-plane";
 /// Condition type: True when every pod the policy selects has the sidecar.
-pub const CONDITION: &str = "SidecarsInjected";
+pub const CONDITION: &str = tollgate_crd::policy::conditions::SIDECARS_INJECTED;
 /// Pods younger than this get an `UnprotectedPorts` Event (older ones had theirs, or are old
 /// news after a leader change).
 const UNPROTECTED_PORTS_EVENT_AGE: i64 = 300;

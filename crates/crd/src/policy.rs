@@ -728,6 +728,8 @@ pub struct GlobalRuleStatus {
 pub mod conditions {
     pub const ACCEPTED: &str = "Accepted";
     pub const PROGRAMMED: &str = "Programmed";
+    /// True when every pod the policy selects runs the sidecar (written by the leader).
+    pub const SIDECARS_INJECTED: &str = "SidecarsInjected";
     pub const REASON_ACCEPTED: &str = "Accepted";
     pub const REASON_INVALID: &str = "Invalid";
     pub const REASON_PROGRAMMED: &str = "Programmed";

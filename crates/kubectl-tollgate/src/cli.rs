@@ -65,7 +65,8 @@ Policies, their Accepted/Programmed conditions and how many sidecars enforce the
 
 Columns: ACCEPTED (the policy compiled; see -o wide for the reason), PROGRAMMED (every connected
 selected sidecar runs the current rules), SIDECARS (sidecars in sync / connected sidecars the
-policy selects), RULES-VERSION (the compiled rule set last streamed to sidecars), GENERATION
+policy selects), NO-SIDECAR (status.podsWithoutSidecar: pods the policy selects that run without
+the sidecar, so their traffic is not limited; see -o wide for the pods), RULES-VERSION (the compiled rule set last streamed to sidecars), GENERATION
 (status.observedGeneration / metadata.generation: behind while the controller has not yet
 processed the latest edit), PROPAGATION (status.propagation: how long the last accepted
 generation took from the controller compiling it to the last selected sidecar's ack),

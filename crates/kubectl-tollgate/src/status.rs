@@ -4,7 +4,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, ListParams};
 use serde_json::json;
 use tollgate_crd::PolicyStatusView;
-use tollgate_crd::policy::conditions::{ACCEPTED, PROGRAMMED};
+use tollgate_crd::policy::conditions::{ACCEPTED, PROGRAMMED, SIDECARS_INJECTED};
 
 use crate::cli::{Output, StatusArgs};
 use crate::client::{Kube, describe};
@@ -37,6 +37,7 @@ pub async fn run(kube: &Kube, args: &StatusArgs) -> anyhow::Result<()> {
         "ACCEPTED",
         "PROGRAMMED",
         "SIDECARS",
+        "NO-SIDECAR",
         "RULES-VERSION",
         "GENERATION",
         "PROPAGATION",
@@ -115,8 +116,10 @@ fn summary(p: &PolicyStatusView) -> serde_json::Value {
         "observedGeneration": s.observed_generation,
         "accepted": condition_json(condition(p, ACCEPTED)),
         "programmed": condition_json(condition(p, PROGRAMMED)),
+        "sidecarsInjected": condition_json(condition(p, SIDECARS_INJECTED)),
         "sidecarsInSync": s.sidecars_in_sync,
         "sidecarsTotal": s.sidecars_total,
+        "podsWithoutSidecar": s.pods_without_sidecar,
         "rulesVersion": s.rules_version,
         "ruleCount": s.rule_count,
         "globalRules": s.global_rules,
@@ -140,6 +143,7 @@ fn row(p: &PolicyStatusView, all_namespaces: bool, wide: bool) -> Vec<String> {
     let s = p.status.clone().unwrap_or_default();
     let accepted = condition(p, ACCEPTED);
     let programmed = condition(p, PROGRAMMED);
+    let injected = condition(p, SIDECARS_INJECTED);
     let status_of = |c: Option<&Condition>| or_dash(c.map(|c| c.status.clone()));
     let sidecars = match (s.sidecars_in_sync, s.sidecars_total) {
         (None, None) => "-".to_string(),
@@ -159,6 +163,7 @@ fn row(p: &PolicyStatusView, all_namespaces: bool, wide: bool) -> Vec<String> {
         status_of(accepted),
         status_of(programmed),
         sidecars,
+        or_dash(s.pods_without_sidecar),
         or_dash(s.rules_version),
         generation,
         propagation(&s),
@@ -177,8 +182,9 @@ fn row(p: &PolicyStatusView, all_namespaces: bool, wide: bool) -> Vec<String> {
                 .collect::<Vec<_>>()
                 .join(",")
         };
-        // The first condition that is not True says why; else Programmed's message.
-        let message = [accepted, programmed]
+        // The first condition that is not True says why (pods without the sidecar included:
+        // Programmed counts connected sidecars only); else Programmed's message.
+        let message = [accepted, programmed, injected]
             .into_iter()
             .flatten()
             .find(|c| c.status != "True")
@@ -188,4 +194,60 @@ fn row(p: &PolicyStatusView, all_namespaces: bool, wide: bool) -> Vec<String> {
         row.extend([or_dash(s.rule_count), global, message]);
     }
     row
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    fn condition(type_: &str, status: &str, reason: &str, message: &str) -> Condition {
+        Condition {
+            type_: type_.into(),
+            status: status.into(),
+            reason: reason.into(),
+            message: message.into(),
+            observed_generation: Some(1),
+            last_transition_time: Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
+        }
+    }
+
+    /// Programmed counts connected sidecars only: a pod without the sidecar must show in the
+    /// table, or "1/1 Programmed" hides replicas nobody limits.
+    #[test]
+    fn pods_without_the_sidecar_show_beside_a_programmed_policy() {
+        let policy: PolicyStatusView = serde_json::from_value(json!({
+            "metadata": {"name": "api", "namespace": "shop", "generation": 1},
+        }))
+        .unwrap();
+        let policy = PolicyStatusView {
+            status: Some(tollgate_crd::RateLimitPolicyStatus {
+                observed_generation: Some(1),
+                sidecars_in_sync: Some(1),
+                sidecars_total: Some(1),
+                pods_without_sidecar: Some(2),
+                conditions: vec![
+                    condition(ACCEPTED, "True", "Accepted", "compiled"),
+                    condition(PROGRAMMED, "True", "Programmed", "1 of 1"),
+                    condition(
+                        SIDECARS_INJECTED,
+                        "False",
+                        "PodsWithoutSidecar",
+                        "2 selected pods run without the sidecar: api-2, api-3",
+                    ),
+                ],
+                ..Default::default()
+            }),
+            ..policy
+        };
+        let row = row(&policy, false, true);
+        assert_eq!(row[..5], ["api", "True", "True", "1/1", "2"]);
+        assert_eq!(
+            row.last().map(String::as_str),
+            Some("PodsWithoutSidecar: 2 selected pods run without the sidecar: api-2, api-3")
+        );
+        let json = summary(&policy);
+        assert_eq!(json["podsWithoutSidecar"], 2);
+        assert_eq!(json["sidecarsInjected"]["status"], "False");
+    }
 }

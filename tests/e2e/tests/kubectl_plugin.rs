@@ -134,6 +134,7 @@ fn kubectl_tollgate_status_top_and_check_against_a_real_api_server() {
             "ACCEPTED",
             "PROGRAMMED",
             "SIDECARS",
+            "NO-SIDECAR",
             "RULES-VERSION",
             "GENERATION",
             "PROPAGATION",
@@ -151,9 +152,9 @@ fn kubectl_tollgate_status_top_and_check_against_a_real_api_server() {
             .collect()
     };
     assert_eq!(row("broken")[1], "False", "{table}");
-    assert_eq!(row("shop-api-keys")[5], "1/1", "generation: {table}");
+    assert_eq!(row("shop-api-keys")[6], "1/1", "generation: {table}");
     assert!(
-        row("shop-api-keys")[6].ends_with("ms") || row("shop-api-keys")[6].ends_with('s'),
+        row("shop-api-keys")[7].ends_with("ms") || row("shop-api-keys")[7].ends_with('s'),
         "the propagation of generation 1 is measured: {table}"
     );
     let wide = ok(&cp, &["status", "-n", "shop", "-o", "wide"]);
