@@ -456,7 +456,7 @@ impl Coverage {
         if self.patch_status(view, count, &message).await {
             let previous = self.written.insert(key, want).map(|w| w.count);
             if count > 0 && previous != Some(count) {
-                let reference = policy_reference(view);
+                let reference = view.object_reference();
                 self.publish(&reference, "PodsWithoutSidecar", &message)
                     .await;
             }
@@ -680,17 +680,6 @@ fn pod_reference(pod: &PodFacts) -> ObjectReference {
         name: Some(pod.name.clone()),
         namespace: Some(pod.namespace.clone()),
         uid: pod.uid.clone(),
-        ..ObjectReference::default()
-    }
-}
-
-fn policy_reference(view: &PolicyView) -> ObjectReference {
-    ObjectReference {
-        api_version: Some("tollgate.dev/v1alpha1".to_string()),
-        kind: Some("RateLimitPolicy".to_string()),
-        name: Some(view.name.clone()),
-        namespace: Some(view.namespace.clone()),
-        uid: view.uid.clone(),
         ..ObjectReference::default()
     }
 }

@@ -160,6 +160,20 @@ pub struct PolicyView {
     pub sidecars_without_redis: u32,
 }
 
+impl PolicyView {
+    /// The policy as the subject of an Event.
+    pub fn object_reference(&self) -> k8s_openapi::api::core::v1::ObjectReference {
+        k8s_openapi::api::core::v1::ObjectReference {
+            api_version: Some("tollgate.dev/v1alpha1".to_string()),
+            kind: Some("RateLimitPolicy".to_string()),
+            name: Some(self.name.clone()),
+            namespace: Some(self.namespace.clone()),
+            uid: self.uid.clone(),
+            ..Default::default()
+        }
+    }
+}
+
 /// Pods a policy view names among those that have not acknowledged its rules.
 pub const LAGGING_NAMED: usize = 5;
 

@@ -11,7 +11,6 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
@@ -505,14 +504,7 @@ impl StatusWriter {
             format!("policy rejected: {}", errors.join("; ")),
             MAX_EVENT_NOTE,
         );
-        let reference = ObjectReference {
-            api_version: Some("tollgate.dev/v1alpha1".to_string()),
-            kind: Some("RateLimitPolicy".to_string()),
-            name: Some(view.name.clone()),
-            namespace: Some(view.namespace.clone()),
-            uid: view.uid.clone(),
-            ..ObjectReference::default()
-        };
+        let reference = view.object_reference();
         let event = Event {
             type_: EventType::Warning,
             reason: conditions::REASON_INVALID.to_string(),

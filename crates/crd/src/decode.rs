@@ -18,6 +18,40 @@ use crate::compile::{CompileErrors, FieldError, compile};
 use crate::compiled::CompiledPolicy;
 use crate::policy::RateLimitPolicy;
 
+/// `kube::Resource` for a type that is read from RateLimitPolicy objects: the kind, group,
+/// version and plural are the policy's, the metadata wherever the type keeps it.
+macro_rules! policy_resource {
+    ($ty:ty, |$r:ident| $meta:expr, |$m:ident| $meta_mut:expr) => {
+        impl kube::Resource for $ty {
+            type DynamicType = ();
+            type Scope = kube::core::NamespaceResourceScope;
+
+            fn kind(dt: &()) -> std::borrow::Cow<'_, str> {
+                RateLimitPolicy::kind(dt)
+            }
+            fn group(dt: &()) -> std::borrow::Cow<'_, str> {
+                RateLimitPolicy::group(dt)
+            }
+            fn version(dt: &()) -> std::borrow::Cow<'_, str> {
+                RateLimitPolicy::version(dt)
+            }
+            fn plural(dt: &()) -> std::borrow::Cow<'_, str> {
+                RateLimitPolicy::plural(dt)
+            }
+            fn meta(&self) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                let $r = self;
+                $meta
+            }
+            fn meta_mut(
+                &mut self,
+            ) -> &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                let $m = self;
+                $meta_mut
+            }
+        }
+    };
+}
+
 /// A decoded policy and the fields of it that the `RateLimitPolicy` API does not define.
 #[derive(Debug, Clone)]
 pub struct Decoded {
@@ -43,30 +77,8 @@ impl<'de> Deserialize<'de> for Decoded {
     }
 }
 
-/// The policy's resource, so `Api<Decoded>` lists and watches RateLimitPolicies.
-impl kube::Resource for Decoded {
-    type DynamicType = ();
-    type Scope = kube::core::NamespaceResourceScope;
-
-    fn kind(dt: &()) -> std::borrow::Cow<'_, str> {
-        RateLimitPolicy::kind(dt)
-    }
-    fn group(dt: &()) -> std::borrow::Cow<'_, str> {
-        RateLimitPolicy::group(dt)
-    }
-    fn version(dt: &()) -> std::borrow::Cow<'_, str> {
-        RateLimitPolicy::version(dt)
-    }
-    fn plural(dt: &()) -> std::borrow::Cow<'_, str> {
-        RateLimitPolicy::plural(dt)
-    }
-    fn meta(&self) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
-        self.policy.meta()
-    }
-    fn meta_mut(&mut self) -> &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
-        self.policy.meta_mut()
-    }
-}
+// The policy's resource, so `Api<Decoded>` lists and watches RateLimitPolicies.
+policy_resource!(Decoded, |d| d.policy.meta(), |d| d.policy.meta_mut());
 
 /// A policy read for its metadata and status only, whatever its spec holds. Listing
 /// `RateLimitPolicy` objects fails as a whole when one of them does not decode (a required field
@@ -80,30 +92,8 @@ pub struct PolicyStatusView {
     pub status: Option<crate::RateLimitPolicyStatus>,
 }
 
-/// The policy's resource, so `Api<PolicyStatusView>` lists RateLimitPolicies.
-impl kube::Resource for PolicyStatusView {
-    type DynamicType = ();
-    type Scope = kube::core::NamespaceResourceScope;
-
-    fn kind(dt: &()) -> std::borrow::Cow<'_, str> {
-        RateLimitPolicy::kind(dt)
-    }
-    fn group(dt: &()) -> std::borrow::Cow<'_, str> {
-        RateLimitPolicy::group(dt)
-    }
-    fn version(dt: &()) -> std::borrow::Cow<'_, str> {
-        RateLimitPolicy::version(dt)
-    }
-    fn plural(dt: &()) -> std::borrow::Cow<'_, str> {
-        RateLimitPolicy::plural(dt)
-    }
-    fn meta(&self) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
-        &mut self.metadata
-    }
-}
+// The policy's resource, so `Api<PolicyStatusView>` lists RateLimitPolicies.
+policy_resource!(PolicyStatusView, |v| &v.metadata, |v| &mut v.metadata);
 
 impl Decoded {
     /// Keeps only the unknown fields under `spec`: for objects from the API server, which

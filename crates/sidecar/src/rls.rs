@@ -174,22 +174,12 @@ impl RateLimitService for RateLimitEdge {
 impl RateLimitEdge {
     /// The audit line and top-keys count of a rejected descriptor, as for an HTTP request.
     fn audit(&self, rules: &RuleSet, rejection: &crate::rules::Rejection, domain: &str) {
-        let ri = rejection.limited.rule;
-        let rule = &rules.rules[ri];
-        let path = format!("rls:{domain}");
-        let headers = http::HeaderMap::new();
-        let request = crate::audit::RefusedRequest {
-            policy: &rules.policies[rule.policy].id,
-            method: &http::Method::POST,
-            path: &path,
-            headers: &headers,
-            peer: &NO_PEER,
-            trusted_hops: 0,
-            span: None,
-        };
-        self.engine
-            .audit
-            .rejected(rule, rejection, &request, &self.engine.metrics);
+        let rule = &rules.rules[rejection.limited.rule];
+        with_refused_request(rules, rule, domain, |request| {
+            self.engine
+                .audit
+                .rejected(rule, rejection, request, &self.engine.metrics);
+        });
     }
 
     /// The audit line of a descriptor a fail-closed rule refused because its store is away.
@@ -204,24 +194,36 @@ impl RateLimitEdge {
         let mut key = Vec::new();
         let counted =
             rules.applies(ri, parts, &NO_PEER, &mut key) == crate::rules::Applies::Counted;
-        let path = format!("rls:{domain}");
-        let headers = http::HeaderMap::new();
-        let request = crate::audit::RefusedRequest {
-            policy: &rules.policies[rule.policy].id,
-            method: &http::Method::POST,
-            path: &path,
-            headers: &headers,
-            peer: &NO_PEER,
-            trusted_hops: 0,
-            span: None,
-        };
-        self.engine.audit.unavailable(
-            rule,
-            counted.then_some(key.as_slice()),
-            &request,
-            &self.engine.metrics,
-        );
+        with_refused_request(rules, rule, domain, |request| {
+            self.engine.audit.unavailable(
+                rule,
+                counted.then_some(key.as_slice()),
+                request,
+                &self.engine.metrics,
+            );
+        });
     }
+}
+
+/// A refused descriptor as the audit sees requests: Envoy sent no method, path or headers of
+/// the client's, so the line names the domain (`rls:<domain>`).
+fn with_refused_request(
+    rules: &RuleSet,
+    rule: &crate::rules::ActiveRule,
+    domain: &str,
+    write: impl FnOnce(&crate::audit::RefusedRequest<'_>),
+) {
+    let path = format!("rls:{domain}");
+    let headers = http::HeaderMap::new();
+    write(&crate::audit::RefusedRequest {
+        policy: &rules.policies[rule.policy].id,
+        method: &http::Method::POST,
+        path: &path,
+        headers: &headers,
+        peer: &NO_PEER,
+        trusted_hops: 0,
+        span: None,
+    });
 }
 
 /// Refuses what Envoy never sends: no descriptors, too many, a descriptor without entries,
