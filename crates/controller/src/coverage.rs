@@ -192,15 +192,17 @@ impl PodTable {
             .collect()
     }
 
-    /// Pods created since `current` (this process's injector id) started, but injected by an
+    /// Pods created after `current` (this process's injector id) started, but injected by an
     /// older process with other settings: an old replica answered the webhook during a
     /// rollout. Pods created before are left alone (an upgrade never re-injects running pods).
+    /// Creation times have whole seconds: a pod created in our start's second may be older
+    /// than us, so only later seconds count (a pod injected in that second is not flagged).
     fn outdated(&self, current: (i64, &str)) -> Vec<PodFacts> {
         let (started, hash) = current;
         self.pods
             .values()
             .filter(|p| p.has_sidecar && !p.deleting)
-            .filter(|p| p.created.is_some_and(|c| c >= started))
+            .filter(|p| p.created.is_some_and(|c| c > started))
             .filter(|p| {
                 p.injected_by
                     .as_ref()
@@ -741,6 +743,7 @@ mod tests {
             ("during-old", 1_000, "900.aaaa"), // old replica, other settings, after our start
             ("during-same", 1_000, "900.bbbb"), // old replica, the same settings
             ("before-old", 800, "700.aaaa"),   // created before our start: an upgrade leaves it
+            ("start-second", 950, "900.aaaa"), // created in our start's second: maybe before us
             ("during-newer", 1_000, "990.cccc"), // a replica newer than us
         ] {
             let mut m = meta(name, &[], &[(SIDECAR_VERSION, "0.1.0"), (INJECTED_BY, by)]);
