@@ -375,8 +375,9 @@ async fn with_redis_down_each_rule_keeps_its_failure_mode_without_waiting() {
             .ends_with("temporary-reduced-capacity"),
         "{problem}"
     );
-    // Envoy's filter waits 250 ms for tollgate; tollgate answers within its Redis timeout.
-    assert!(slowest < 100, "slowest answer {slowest} ms");
+    // Envoy's filter waits 250 ms for tollgate; tollgate answers within its Redis timeout
+    // (the default 100 ms, which only the calls made before the breaker opens can spend).
+    assert!(slowest < 200, "slowest answer {slowest} ms");
     for e in [&via_open, &via_closed] {
         assert_service_answered(e);
     }
