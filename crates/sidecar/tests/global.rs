@@ -42,23 +42,29 @@ async fn start_sidecar(
     Sidecar::start(&upstream.url(), policy, &args).await
 }
 
-/// Sends requests in a closed loop from `conns` tasks to `url` for `dur`; returns (ok, 429, other).
+/// `n` HTTP clients, one per load connection. Built before a measurement's clock starts: a
+/// client takes milliseconds to build in a debug build (its TLS setup), and nine of them
+/// built after the clock started kept the load away for the first 200 ms of a 4 s run.
+fn clients(n: usize) -> Vec<reqwest::Client> {
+    (0..n).map(|_| client()).collect()
+}
+
+/// Sends requests in a closed loop, one task per client, to `url` until `deadline`; returns
+/// (ok, 429, other).
 async fn hammer(
     url: String,
     headers: Vec<(&'static str, String)>,
-    conns: usize,
-    dur: Duration,
+    clients: Vec<reqwest::Client>,
+    deadline: Instant,
 ) -> (u64, u64, u64) {
     let ok = Arc::new(AtomicU64::new(0));
     let limited = Arc::new(AtomicU64::new(0));
     let other = Arc::new(AtomicU64::new(0));
-    let deadline = Instant::now() + dur;
     let mut tasks = Vec::new();
-    for _ in 0..conns {
+    for c in clients {
         let (url, headers) = (url.clone(), headers.clone());
         let (ok, limited, other) = (ok.clone(), limited.clone(), other.clone());
         tasks.push(tokio::spawn(async move {
-            let c = client();
             while Instant::now() < deadline {
                 let mut req = c.get(&url);
                 for (k, v) in &headers {
@@ -106,16 +112,19 @@ async fn global_token_bucket_holds_across_three_sidecars() {
         let key = vec![("x-api-key", "k1".to_string())];
         // Load split 90/5/5 (by connections), then even.
         let dur = Duration::from_secs(3);
+        let (first, second) = ([9, 1, 1].map(clients), [3, 3, 3].map(clients));
+        let [c0, c1, c2] = first;
         let t0 = Instant::now();
         let (a, b, c) = tokio::join!(
-            hammer(sidecars[0].url("/"), key.clone(), 9, dur),
-            hammer(sidecars[1].url("/"), key.clone(), 1, dur),
-            hammer(sidecars[2].url("/"), key.clone(), 1, dur),
+            hammer(sidecars[0].url("/"), key.clone(), c0, t0 + dur),
+            hammer(sidecars[1].url("/"), key.clone(), c1, t0 + dur),
+            hammer(sidecars[2].url("/"), key.clone(), c2, t0 + dur),
         );
+        let [c0, c1, c2] = second;
         let (d, e, f) = tokio::join!(
-            hammer(sidecars[0].url("/"), key.clone(), 3, dur),
-            hammer(sidecars[1].url("/"), key.clone(), 3, dur),
-            hammer(sidecars[2].url("/"), key.clone(), 3, dur),
+            hammer(sidecars[0].url("/"), key.clone(), c0, t0 + 2 * dur),
+            hammer(sidecars[1].url("/"), key.clone(), c1, t0 + 2 * dur),
+            hammer(sidecars[2].url("/"), key.clone(), c2, t0 + 2 * dur),
         );
         let elapsed = t0.elapsed().as_secs_f64();
         let mut fallback = 0.0;
@@ -156,7 +165,13 @@ async fn redis_load(accuracy: &str) -> (f64, f64, f64) {
     let s = start_sidecar(&upstream, &p, &redis, &["--redis-timeout", "200ms"]).await;
     let key = vec![("x-api-key", "hot".to_string())];
     // Warm up the lease, then measure.
-    hammer(s.url("/"), key.clone(), 4, Duration::from_millis(500)).await;
+    hammer(
+        s.url("/"),
+        key.clone(),
+        clients(4),
+        Instant::now() + Duration::from_millis(500),
+    )
+    .await;
     let scripts = |r: &Redis| r.command_calls("evalsha") + r.command_calls("eval");
     let inner = |r: &Redis| {
         [
@@ -176,7 +191,13 @@ async fn redis_load(accuracy: &str) -> (f64, f64, f64) {
         .sum::<u64>()
     };
     let (s0, i0) = (scripts(&redis), inner(&redis));
-    let (ok, limited, other) = hammer(s.url("/"), key.clone(), 8, Duration::from_secs(3)).await;
+    let (ok, limited, other) = hammer(
+        s.url("/"),
+        key.clone(),
+        clients(8),
+        Instant::now() + Duration::from_secs(3),
+    )
+    .await;
     let (s1, i1) = (scripts(&redis), inner(&redis));
     assert_eq!((limited, other), (0, 0));
     assert!(ok > 1000, "load too low to judge: {ok}");
@@ -379,11 +400,12 @@ async fn three_sidecar_run(
             .await;
     }
     let key = vec![("x-api-key", "k".to_string())];
+    let [c0, c1, c2] = [3, 3, 3].map(clients);
     let t0 = Instant::now();
     let (a, b, c) = tokio::join!(
-        hammer(sidecars[0].url("/"), key.clone(), 3, dur),
-        hammer(sidecars[1].url("/"), key.clone(), 3, dur),
-        hammer(sidecars[2].url("/"), key.clone(), 3, dur),
+        hammer(sidecars[0].url("/"), key.clone(), c0, t0 + dur),
+        hammer(sidecars[1].url("/"), key.clone(), c1, t0 + dur),
+        hammer(sidecars[2].url("/"), key.clone(), c2, t0 + dur),
     );
     let elapsed = t0.elapsed().as_secs_f64();
     assert_eq!(a.2 + b.2 + c.2, 0, "errors");
@@ -544,12 +566,12 @@ async fn global_limit_holds_while_membership_changes_3_5_2() {
         let targets = Arc::new(std::sync::RwLock::new(sidecars.iter().map(|s| s.url("/")).collect::<Vec<_>>()));
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (ok, limited, other) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let load_clients = clients(9);
         let t0 = Instant::now();
         let mut tasks = Vec::new();
-        for w in 0..9usize {
+        for (w, c) in load_clients.into_iter().enumerate() {
             let (targets, stop, ok, limited, other) = (targets.clone(), stop.clone(), ok.clone(), limited.clone(), other.clone());
             tasks.push(tokio::spawn(async move {
-                let c = client();
                 let mut i = w;
                 while !stop.load(Ordering::Relaxed) {
                     let url = {
