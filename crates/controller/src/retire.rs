@@ -75,8 +75,18 @@ async fn delete(api: &Api<Lease>, name: &str) -> anyhow::Result<()> {
     }
 }
 
+/// How long a retired replica keeps running after the marker is gone before it concludes that
+/// the uninstall did not happen (it failed or was aborted after the hook) and restarts.
+pub const RETIRED_WITHOUT_MARKER: Duration = Duration::from_secs(120);
+
 /// Watches for the marker; at the first fresh one, sets `retired` and empties the index of every
 /// policy in `scopes` (under the index lock the policy watches check `retired` with).
+///
+/// Retiring is meant to end with the controller deleted. A replica that is still running
+/// [`RETIRED_WITHOUT_MARKER`] after the marker went away, or [`MAX_MARKER_AGE`] after it
+/// retired, was not uninstalled: it exits, and the restarted process (which ignores a marker
+/// that old) enforces every policy again. So a failed `helm uninstall` cannot leave the
+/// installation silently enforcing nothing.
 pub async fn follow(
     client: kube::Client,
     namespace: String,
@@ -89,15 +99,36 @@ pub async fn follow(
     let name = marker_name(&lease_name);
     let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
     let mut stream = pin!(watcher::watcher(api, config).default_backoff());
-    while let Some(event) = stream.next().await {
+    let mut restart = Restart::default();
+    loop {
+        let event = tokio::select! {
+            event = stream.next() => event,
+            () = restart.due() => {
+                tracing::error!(lease = %name, "this replica retired for an uninstall that did not happen (the controller is still running); restarting to enforce every policy again");
+                std::process::exit(1);
+            }
+        };
+        let Some(event) = event else { return };
         let lease = match event {
             Ok(Event::Apply(l) | Event::InitApply(l)) => l,
-            Ok(_) => continue,
+            Ok(Event::Init) => {
+                restart.relisting();
+                continue;
+            }
+            Ok(Event::InitDone) => {
+                restart.relisted(tokio::time::Instant::now());
+                continue;
+            }
+            Ok(Event::Delete(_)) => {
+                restart.marker_gone(tokio::time::Instant::now());
+                continue;
+            }
             Err(error) => {
                 tracing::debug!(%error, "retire marker watch failed; retrying");
                 continue;
             }
         };
+        restart.marker_seen();
         if !fresh(&lease) {
             tracing::info!(lease = %name, "ignoring a retire marker left from an earlier uninstall");
             continue;
@@ -110,9 +141,57 @@ pub async fn follow(
             index.reset_policies(scope.as_deref(), Vec::new());
         }
         drop(index);
+        restart.retired(tokio::time::Instant::now());
         tracing::warn!(
             "tollgate is being removed: every sidecar gets an empty rule set and enforces nothing from now on"
         );
+    }
+}
+
+/// When a retired replica gives up waiting to be deleted.
+#[derive(Default)]
+struct Restart {
+    /// Set once this replica retired.
+    at: Option<tokio::time::Instant>,
+    /// During a relist: whether the marker was listed.
+    listed: Option<bool>,
+}
+
+impl Restart {
+    fn retired(&mut self, now: tokio::time::Instant) {
+        self.at = Some(now + MAX_MARKER_AGE);
+    }
+
+    fn marker_seen(&mut self) {
+        if let Some(listed) = &mut self.listed {
+            *listed = true;
+        }
+    }
+
+    /// The marker was deleted: the hook is done, and the controller should be deleted soon.
+    fn marker_gone(&mut self, now: tokio::time::Instant) {
+        if let Some(at) = &mut self.at {
+            *at = (*at).min(now + RETIRED_WITHOUT_MARKER);
+        }
+    }
+
+    fn relisting(&mut self) {
+        self.listed = Some(false);
+    }
+
+    /// A relist that did not list the marker: it was deleted while the watch was down.
+    fn relisted(&mut self, now: tokio::time::Instant) {
+        if self.listed.take() == Some(false) {
+            self.marker_gone(now);
+        }
+    }
+
+    /// Completes when the replica should restart; never before it retired.
+    async fn due(&self) {
+        match self.at {
+            Some(at) => tokio::time::sleep_until(at).await,
+            None => std::future::pending().await,
+        }
     }
 }
 
@@ -123,4 +202,51 @@ fn fresh(lease: &Lease) -> bool {
     };
     let age = k8s_openapi::jiff::Timestamp::now().as_second() - created.0.as_second();
     age < i64::try_from(MAX_MARKER_AGE.as_secs()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A replica that retired but is never deleted must not stay silently retired.
+    #[test]
+    fn a_retired_replica_that_outlives_its_uninstall_restarts() {
+        let t0 = tokio::time::Instant::now();
+        let mut r = Restart::default();
+        r.marker_gone(t0);
+        assert_eq!(
+            r.at, None,
+            "a marker deleted before retiring (the hook's clean-up) is no news"
+        );
+        r.retired(t0);
+        assert_eq!(
+            r.at,
+            Some(t0 + MAX_MARKER_AGE),
+            "retired for too long, marker or not"
+        );
+        let gone = t0 + Duration::from_secs(15);
+        r.marker_gone(gone);
+        assert_eq!(
+            r.at,
+            Some(gone + RETIRED_WITHOUT_MARKER),
+            "the hook ended and we still run"
+        );
+        r.marker_gone(gone + Duration::from_secs(60));
+        assert_eq!(
+            r.at,
+            Some(gone + RETIRED_WITHOUT_MARKER),
+            "the first deletion counts"
+        );
+
+        // A relist that still lists the marker changes nothing; one that does not, ends it.
+        let mut r = Restart::default();
+        r.retired(t0);
+        r.relisting();
+        r.marker_seen();
+        r.relisted(gone);
+        assert_eq!(r.at, Some(t0 + MAX_MARKER_AGE));
+        r.relisting();
+        r.relisted(gone);
+        assert_eq!(r.at, Some(gone + RETIRED_WITHOUT_MARKER));
+    }
 }
