@@ -261,7 +261,9 @@ impl Row {
     /// The saturated key's admitted count: within 1 % of its bucket once leases have ramped
     /// up (plus 5 tokens per sidecar: the window opens and closes while each sidecar holds a
     /// reservation taken outside it), and over the whole run never above it by more than 1 %
-    /// nor below by more than the ramp (about a tenth of a second of refill, once per key).
+    /// nor below by more than the ramp: about a tenth of a second of refill once per key, and
+    /// 10 tokens per sidecar, each of which meets the key cold and starts with a small lease
+    /// (the first second of 20 debug-build sidecars on 2 cores admitted 768–923 of its 1100).
     fn assert_accurate(&self) {
         let what = format!("{:?} with {} sidecars", self.load, self.sidecars);
         let edges = 5.0 * self.sidecars as f64;
@@ -275,7 +277,8 @@ impl Row {
         );
         let whole = self.sat_admitted as f64;
         assert!(
-            whole <= self.sat_expected * 1.01 && whole >= self.sat_expected * 0.99 - 150.0,
+            whole <= self.sat_expected * 1.01
+                && whole >= self.sat_expected * 0.99 - 150.0 - edges * 2.0,
             "{what}: admitted {} of {:.0} over the run",
             self.sat_admitted,
             self.sat_expected
