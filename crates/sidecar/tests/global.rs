@@ -19,17 +19,6 @@ use common::*;
 /// These tests measure rates and latencies: run them one at a time so they do not skew each other.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn global_policy(name: &str, rule: &str) -> String {
-    policy(name, &format!("rules:\n{}", indent(rule, 2)))
-}
-
-fn indent(s: &str, n: usize) -> String {
-    dedent(s)
-        .lines()
-        .map(|l| format!("{}{l}\n", " ".repeat(n)))
-        .collect()
-}
-
 async fn start_sidecar(
     upstream: &Upstream,
     policy: &str,
@@ -95,7 +84,7 @@ async fn global_token_bucket_holds_across_three_sidecars() {
         let redis = Redis::start();
         let upstream = Upstream::start().await;
         // 100/s with a burst of 50, shared by three sidecars.
-        let p = global_policy(
+        let p = rules_policy(
             "shared",
             "- name: shared\n  key: [{header: x-api-key}]\n  limit: {requests: 100, period: 1s, burst: 50}",
         );
@@ -156,7 +145,7 @@ async fn redis_load(accuracy: &str) -> (f64, f64, f64) {
     let redis = Redis::start();
     let upstream = Upstream::start().await;
     // High enough not to reject: we count Redis commands per admitted request.
-    let p = global_policy(
+    let p = rules_policy(
         "hot",
         &format!(
             "- name: hot\n  key: [{{header: x-api-key}}]\n  limit: {{requests: 100000, period: 1s}}\n  accuracy: {accuracy}"
@@ -229,7 +218,7 @@ async fn redis_outage_follows_each_rules_failure_mode() {
         let mut redis = Redis::start();
         let port = redis.port;
         let upstream = Upstream::start().await;
-        let p = global_policy(
+        let p = rules_policy(
             "modes",
             "- name: open\n  match: {path: {prefix: /open}}\n  key: [{header: x-api-key}]\n  limit: {requests: 1000, period: 1s}\n  failureMode: Open\n\
              - name: closed\n  match: {path: {prefix: /closed}}\n  key: [{header: x-api-key}]\n  limit: {requests: 1000, period: 1s}\n  failureMode: Closed",
@@ -288,7 +277,7 @@ async fn membership_follows_sidecars_joining_and_leaving() {
         let _serial = SERIAL.lock().await;
         let redis = Redis::start();
         let upstream = Upstream::start().await;
-        let p = global_policy("members", "- name: m\n  limit: {requests: 90, period: 1s}");
+        let p = rules_policy("members", "- name: m\n  limit: {requests: 90, period: 1s}");
         let a = start_sidecar(&upstream, &p, &redis, &["--membership-ttl", "2s"]).await;
         // Traffic makes the rule active, which starts heartbeats.
         let _ = client().get(a.url("/")).send().await;
@@ -388,7 +377,7 @@ async fn three_sidecar_run(
     dur: Duration,
 ) -> (u64, f64) {
     let upstream = Upstream::start().await;
-    let p = global_policy("shared", rule);
+    let p = rules_policy("shared", rule);
     let mut sidecars = Vec::new();
     for _ in 0..3 {
         let mut args = redis_args.to_vec();
@@ -470,7 +459,7 @@ async fn slow_redis_keeps_hot_keys_fast_and_cold_keys_follow_their_mode() {
         let delay_ms = Arc::new(AtomicU64::new(0));
         let (relay, _relay_task) = delaying_relay(redis.port, delay_ms.clone()).await;
         let upstream = Upstream::start().await;
-        let p = global_policy(
+        let p = rules_policy(
             "slow",
             "- name: open\n  match: {path: {prefix: /open}}\n  key: [{header: x-api-key}]\n  limit: {requests: 100000, period: 1s}\n  failureMode: Open\n\
              - name: closed\n  match: {path: {prefix: /closed}}\n  key: [{header: x-api-key}]\n  limit: {requests: 100000, period: 1s}\n  failureMode: Closed",
@@ -553,7 +542,7 @@ async fn global_limit_holds_while_membership_changes_3_5_2() {
         let _serial = SERIAL.lock().await;
         let redis = Redis::start();
         let upstream = Upstream::start().await;
-        let p = global_policy(
+        let p = rules_policy(
             "shared",
             "- name: shared\n  key: [{header: x-api-key}]\n  limit: {requests: 100, period: 1s, burst: 50}",
         );
@@ -634,7 +623,7 @@ async fn back_to_back_requests_get_the_whole_bucket_in_order() {
         let _serial = SERIAL.lock().await;
         let redis = Redis::start();
         let upstream = Upstream::start().await;
-        let yaml = global_policy(
+        let yaml = rules_policy(
             "in-order",
             "- name: per-client\n  key: [{header: x-client}]\n  limit: {requests: 20, period: 1h, burst: 20}\n  scope: Global\n  failureMode: Closed",
         );
@@ -677,7 +666,7 @@ async fn a_global_bucket_of_burst_one_admits_its_token() {
         let redis = Redis::start();
         let upstream = Upstream::start().await;
         for accuracy in ["Auto", "Leased", "Strict"] {
-            let p = global_policy(
+            let p = rules_policy(
                 "one",
                 &format!(
                     "- name: one\n  key: [{{header: x-api-key}}]\n  limit: {{requests: 12, period: 10s, burst: 1}}\n  accuracy: {accuracy}"
@@ -708,7 +697,7 @@ async fn block_for_on_a_global_rule_holds_at_every_sidecar() {
         let redis = Redis::start();
         let upstream = Upstream::start().await;
         // 10 a second: a share of 3.3 per sidecar decides exactly (Auto); the Leased rule leases.
-        let p = global_policy(
+        let p = rules_policy(
             "brute",
             "- name: exact\n  match: {path: {prefix: /exact}}\n  key: [{header: x-api-key}]\n  limit: {requests: 10, period: 1s, burst: 10, blockFor: 20s}\n\
              - name: leased\n  match: {path: {prefix: /leased}}\n  key: [{header: x-api-key}]\n  limit: {requests: 10, period: 1s, burst: 10, blockFor: 20s}\n  accuracy: Leased",
@@ -766,13 +755,13 @@ async fn a_strict_rule_admits_no_more_than_its_bucket_after_a_policy_apply() {
         let (relay, _relay_task) = delaying_relay(redis.port, delay_ms.clone()).await;
         let relay_url = format!("redis://127.0.0.1:{relay}");
         let upstream = Upstream::start().await;
-        let before = global_policy("apply", "- name: other\n  match: {path: {prefix: /other}}\n  limit: {requests: 1000, period: 1s}");
+        let before = rules_policy("apply", "- name: other\n  match: {path: {prefix: /other}}\n  limit: {requests: 1000, period: 1s}");
         let mut sidecars = Vec::new();
         for _ in 0..3 {
             let args = ["--redis", relay_url.as_str(), "--redis-timeout", "5ms"];
             sidecars.push(Sidecar::start(&upstream.url(), &before, &args).await);
         }
-        let after = global_policy(
+        let after = rules_policy(
             "apply",
             "- name: strict\n  key: [{header: x-api-key}]\n  limit: {requests: 10, period: 1m, burst: 10}\n  accuracy: Strict",
         );
@@ -811,7 +800,7 @@ async fn a_strict_rule_admits_no_more_than_its_bucket_after_a_policy_apply() {
 async fn cold_keys_closed(extra: &[&str]) -> (u64, u64, f64) {
     let redis = Redis::start();
     let upstream = Upstream::start().await;
-    let p = global_policy(
+    let p = rules_policy(
         "cold",
         "- name: closed\n  key: [{header: x-api-key}]\n  limit: {requests: 1000000, period: 1s}\n  failureMode: Closed",
     );

@@ -15,14 +15,6 @@ use std::time::Duration;
 
 use common::*;
 
-fn one_rule(name: &str, rule: &str) -> String {
-    let rule = dedent(rule)
-        .lines()
-        .map(|l| format!("  {l}\n"))
-        .collect::<String>();
-    policy(name, &format!("rules:\n{rule}"))
-}
-
 /// `r` of the only rule in `RateLimit`.
 fn available(resp: &reqwest::Response, rule: &str) -> i64 {
     service_limit(resp.headers(), rule).0
@@ -40,7 +32,7 @@ async fn tokens(c: &reqwest::Client, url: &str, user: &str, n: u64) -> reqwest::
 async fn response_header_cost_is_settled_and_can_run_into_debt() {
     within(60, async {
         let up = Upstream::start().await;
-        let yaml = one_rule(
+        let yaml = rules_policy(
             "llm",
             "
             - name: tokens
@@ -101,7 +93,7 @@ async fn response_header_cost_is_settled_and_can_run_into_debt() {
 async fn only_matching_statuses_count() {
     within(60, async {
         let up = Upstream::start().await;
-        let yaml = one_rule(
+        let yaml = rules_policy(
             "logins",
             r#"
             - name: failed-logins
@@ -147,7 +139,7 @@ async fn only_matching_statuses_count() {
 async fn block_for_keeps_rejecting_after_the_bucket_refills() {
     within(60, async {
         let up = Upstream::start().await;
-        let yaml = one_rule(
+        let yaml = rules_policy(
             "brute",
             "
             - name: attempts
@@ -200,7 +192,7 @@ async fn global_settlements_reach_redis_with_the_sync_leased_and_strict() {
         let url = redis.url();
         let up = Upstream::start().await;
         for accuracy in ["Leased", "Strict"] {
-            let yaml = one_rule(
+            let yaml = rules_policy(
                 &format!("llm-{}", accuracy.to_lowercase()),
                 &format!(
                     "
@@ -258,7 +250,7 @@ async fn global_settlements_reach_redis_with_the_sync_leased_and_strict() {
 async fn a_reservation_is_given_back_when_a_later_rule_rejects() {
     within(60, async {
         let up = Upstream::start().await;
-        let yaml = one_rule(
+        let yaml = rules_policy(
             "layers",
             "
             - name: failed-logins

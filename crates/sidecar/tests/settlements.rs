@@ -20,18 +20,10 @@ use common::*;
 /// These tests time Redis round trips: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn one_rule(name: &str, rule: &str) -> String {
-    let rule = dedent(rule)
-        .lines()
-        .map(|l| format!("  {l}\n"))
-        .collect::<String>();
-    policy(name, &format!("rules:\n{rule}"))
-}
-
 /// A rule whose cost is the app's `x-tokens` header: 100 tokens per 10 minutes (6 s a token),
 /// a burst of `burst`.
 fn tokens_rule(name: &str, burst: u64, accuracy: &str, failure: &str) -> String {
-    one_rule(
+    rules_policy(
         name,
         &format!(
             "
@@ -141,7 +133,7 @@ async fn a_refund_clears_a_refusal_remembered_in_exact_mode() {
         let _serial = SERIAL.lock().await;
         let redis = Redis::start();
         let up = Upstream::start().await;
-        let yaml = one_rule(
+        let yaml = rules_policy(
             "logins",
             "
             - name: failed

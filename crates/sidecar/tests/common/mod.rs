@@ -107,6 +107,12 @@ pub fn roomy_policy() -> String {
 
 /// A RateLimitPolicy document named `name` in namespace `test` selecting every pod, whose
 /// `spec` (after `targetRef`) is `spec` (any indentation; it is re-indented).
+/// A policy of `rules`, a YAML list of rules indented however the caller likes.
+pub fn rules_policy(name: &str, rules: &str) -> String {
+    let rules: String = dedent(rules).lines().map(|l| format!("  {l}\n")).collect();
+    policy(name, &format!("rules:\n{rules}"))
+}
+
 pub fn policy(name: &str, spec: &str) -> String {
     let mut out = format!(
         "apiVersion: tollgate.dev/v1alpha1\nkind: RateLimitPolicy\nmetadata:\n  name: {name}\n  \
