@@ -835,10 +835,13 @@ impl Store {
     /// The key a bucket's `blockFor` block is published under: beside its group, in the same
     /// Redis Cluster slot (the hash tag), so the lease script can read it.
     pub fn block_key(&self, group: u32, field: &[u8; 16]) -> String {
+        use std::fmt::Write as _;
         let mut key = self.group_key(group);
+        key.reserve(3 + 2 * field.len());
         key.push_str(":b:");
         for b in field {
-            key.push_str(&format!("{b:02x}"));
+            // Writing into the key itself: no string per byte (every lease call builds it).
+            let _ = write!(key, "{b:02x}");
         }
         key
     }
