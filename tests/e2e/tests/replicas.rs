@@ -93,6 +93,34 @@ struct Fleet {
 }
 
 impl Fleet {
+    /// Starts replicas `ctrl-a` and `ctrl-b`, waits until they see each other, then starts
+    /// `sidecars` sidecars and waits until the balancer spread their streams over both.
+    fn two_replicas_with_sidecars(
+        &mut self,
+        ports: (u16, u16),
+        sidecars: usize,
+    ) -> (Replica, Replica) {
+        let a = self.replica("ctrl-a", ports.0);
+        let b = self.replica("ctrl-b", ports.1);
+        wait(
+            "each replica to see the other",
+            Duration::from_secs(15),
+            || peers(&self.client, &a) == 1 && peers(&self.client, &b) == 1,
+        );
+        for i in 0..sidecars {
+            self.sidecar(i);
+        }
+        wait(
+            "the streams over both replicas",
+            Duration::from_secs(20),
+            || {
+                let (ca, cb) = (connected(&self.client, &a), connected(&self.client, &b));
+                ca + cb == sidecars as u64 && ca > 0 && cb > 0
+            },
+        );
+        (a, b)
+    }
+
     fn replica(&self, identity: &str, port: u16) -> Replica {
         let lease = format!("{LEASE_SECONDS}s");
         let proc = start_controller(
@@ -198,26 +226,8 @@ fn two_replicas_share_membership_status_and_the_global_limit() {
         sidecars: Vec::new(),
         cp,
     };
-    let a = fleet.replica("ctrl-a", port_a);
-    let mut b = fleet.replica("ctrl-b", port_b);
-    wait(
-        "each replica to see the other",
-        Duration::from_secs(15),
-        || peers(&fleet.client, &a) == 1 && peers(&fleet.client, &b) == 1,
-    );
-
-    for i in 0..4 {
-        fleet.sidecar(i);
-    }
     // The balancer spreads the four streams over both replicas...
-    wait(
-        "4 streams over two replicas",
-        Duration::from_secs(20),
-        || {
-            let (ca, cb) = (connected(&fleet.client, &a), connected(&fleet.client, &b));
-            ca + cb == 4 && ca > 0 && cb > 0
-        },
-    );
+    let (a, mut b) = fleet.two_replicas_with_sidecars((port_a, port_b), 4);
     eprintln!(
         "streams: {} on ctrl-a, {} on ctrl-b",
         connected(&fleet.client, &a),
@@ -368,24 +378,7 @@ fn a_policy_edited_after_a_quiet_time_is_programmed_on_two_replicas() {
         sidecars: Vec::new(),
         cp,
     };
-    let a = fleet.replica("ctrl-a", port_a);
-    let b = fleet.replica("ctrl-b", port_b);
-    wait(
-        "the replicas to see each other",
-        Duration::from_secs(15),
-        || peers(&fleet.client, &a) == 1 && peers(&fleet.client, &b) == 1,
-    );
-    for i in 0..3 {
-        fleet.sidecar(i);
-    }
-    wait(
-        "3 streams over both replicas",
-        Duration::from_secs(20),
-        || {
-            let (ca, cb) = (connected(&fleet.client, &a), connected(&fleet.client, &b));
-            ca + cb == 3 && ca > 0 && cb > 0
-        },
-    );
+    let (a, b) = fleet.two_replicas_with_sidecars((port_a, port_b), 3);
     let programmed = |fleet: &Fleet, generation: &str| {
         fleet.status("{.status.sidecarsTotal}/{.status.sidecarsInSync}") == "3/3"
             && fleet.status("{.status.conditions[?(@.type==\"Programmed\")].status}") == "True"
