@@ -654,6 +654,23 @@ fn tls_connector(
     Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
 }
 
+/// Resolves the controller's host, then connects to its addresses in turn. A failed lookup is
+/// labelled `dns error` so that logs, `/readyz` and `/debug/stream` tell it apart from a refused
+/// connection (the resolver's own text differs between libc versions).
+async fn connect_tcp(target: &Target) -> Result<tokio::net::TcpStream, String> {
+    let addrs = tokio::net::lookup_host((target.host.as_str(), target.port))
+        .await
+        .map_err(|e| format!("dns error: {}", error_chain(&e)))?;
+    let mut last = format!("dns error: {} has no addresses", target.host);
+    for addr in addrs {
+        match tokio::net::TcpStream::connect(addr).await {
+            Ok(tcp) => return Ok(tcp),
+            Err(e) => last = format!("{addr}: {}", error_chain(&e)),
+        }
+    }
+    Err(last)
+}
+
 /// One HTTP/2 connection to one controller replica, for as long as one rule stream lasts. The
 /// stream, its acks and the top-keys reports all go through it and never through another
 /// connection: behind a Service another connection may reach another replica, which does not
@@ -667,11 +684,9 @@ struct Session {
 
 impl Session {
     async fn open(target: &Target) -> Result<Session, String> {
-        let connect = tokio::net::TcpStream::connect((target.host.as_str(), target.port));
-        let tcp = tokio::time::timeout(CONNECT_TIMEOUT, connect)
+        let tcp = tokio::time::timeout(CONNECT_TIMEOUT, connect_tcp(target))
             .await
-            .map_err(|_| format!("connect timed out after {CONNECT_TIMEOUT:?}"))?
-            .map_err(|e| error_chain(&e))?;
+            .map_err(|_| format!("connect timed out after {CONNECT_TIMEOUT:?}"))??;
         let _ = tcp.set_nodelay(true);
         let sender = match &target.tls {
             None => handshake(tcp).await?,

@@ -413,7 +413,7 @@ async fn an_unresolvable_controller_is_named_as_a_dns_failure() {
         unready_because(
             "http://tollgate-controller.tollgate.invalid:8443",
             &[],
-            &["dns error", "failed to lookup address"],
+            &["dns error"],
         ),
     )
     .await;
