@@ -18,11 +18,11 @@ use tollgate_crd::compiled::{CompiledPolicy, KeySource};
 use tollgate_crd::duration::{self, DurationError};
 use tollgate_crd::stream::{StreamMessage, parse_line};
 use tollgate_limiter::{Nanos, StoreConfig};
-use tollgate_sidecar::global::store::{LeaseReply, parse_lease_reply};
-use tollgate_sidecar::keys::{self, ClientAddr, PartValue};
-use tollgate_sidecar::metrics::Metrics;
-use tollgate_sidecar::quota::quota_for;
-use tollgate_sidecar::rules::{KeyHasher, RuleSet};
+use tollgate_global::store::{LeaseReply, parse_lease_reply};
+use tollgate_engine::keys::{self, ClientAddr, PartValue};
+use tollgate_engine::metrics::Metrics;
+use tollgate_global::quota::quota_for;
+use tollgate_engine::rules::{KeyHasher, RuleSet};
 
 /// A target body: must not panic on any input.
 pub type Target = fn(&[u8]);
@@ -1117,8 +1117,8 @@ pub fn replay_args(target: Target) {
 ///   body tracker never takes more bytes than it is given;
 /// - a chunked body fed in two pieces ends where it ends when fed whole.
 pub fn http1_wire(data: &[u8]) {
-    use tollgate_sidecar::proxy::h1::FieldLines;
-    use tollgate_sidecar::proxy::h1::wire::{self, Body, Framing, Scan};
+    use tollgate_http::proxy::h1::FieldLines;
+    use tollgate_http::proxy::h1::wire::{self, Body, Framing, Scan};
 
     if let Scan::Complete(head) = wire::scan_request(data) {
         assert!(head.len + head.body_len <= data.len());

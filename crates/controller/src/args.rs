@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use tollgate_crd::duration::parse_flag;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
+use tollgate_telemetry::LogFormat;
 
 /// tollgate-controller: compiles RateLimitPolicies, streams them to sidecars, writes status.
 ///
@@ -148,7 +149,7 @@ pub struct Args {
     pub shutdown_grace: Duration,
 
     /// Log format.
-    #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Plain)]
+    #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 
     /// Log filter (tracing `EnvFilter` syntax); `RUST_LOG` overrides it.
@@ -169,15 +170,6 @@ pub struct Args {
     /// Admission webhooks and the injected sidecar.
     #[command(flatten)]
     pub webhook: crate::webhook::args::WebhookArgs,
-}
-
-/// Log output format.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    /// Human-readable lines (`text`, as the sidecar calls it, is accepted too).
-    #[value(alias = "text")]
-    Plain,
-    Json,
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use tollgate_crd::Decoded;
 use tracing::Instrument;
 
-use crate::args::{Args, LogFormat};
+use crate::args::Args;
 use crate::auth::TokenReviewAuthenticator;
 use crate::coverage::PodFacts;
 use crate::index::{Index, PodInput, PolicyInput, SharedIndex};
@@ -27,6 +27,7 @@ use crate::metrics::Metrics;
 use crate::server::{Server, ServerConfig};
 use crate::status::StatusWriter;
 use crate::telemetry;
+use tollgate_telemetry::LogFormat;
 
 /// A random identifier for this controller process (32 hex characters). Versions are only
 /// comparable within one epoch.
@@ -53,8 +54,8 @@ pub fn init_tracing(args: &Args) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .or_else(|_| tracing_subscriber::EnvFilter::try_new(&args.log))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let endpoint = tollgate_otlp::endpoint(args.otlp_endpoint.as_deref());
-    let ca_file = tollgate_otlp::ca_file(args.otlp_ca_file.as_deref());
+    let endpoint = tollgate_telemetry::otlp::endpoint(args.otlp_endpoint.as_deref());
+    let ca_file = tollgate_telemetry::otlp::ca_file(args.otlp_ca_file.as_deref());
     if let Err(e) = telemetry::init(
         filter,
         args.log_format == LogFormat::Json,
@@ -348,7 +349,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let signal = {
         let tx = shutdown_tx.clone();
         async move {
-            shutdown_signal().await;
+            tollgate_telemetry::shutdown_signal().await;
             tracing::info!("shutting down: closing rule streams");
             tx.send_replace(true);
         }
@@ -381,26 +382,6 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     // Flushing waits for the exporter; keep it off the async workers.
     let _ = tokio::task::spawn_blocking(telemetry::shutdown).await;
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let term = async {
-        #[cfg(unix)]
-        {
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut s) => {
-                    s.recv().await;
-                }
-                Err(_) => std::future::pending::<()>().await,
-            }
-        }
-        #[cfg(not(unix))]
-        std::future::pending::<()>().await
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = term => {}
-    }
 }
 
 /// Feeds RateLimitPolicy watch events into the index. Objects that do not decode are indexed

@@ -1,4 +1,4 @@
-//! Logs and OpenTelemetry traces, set up like the sidecar's (`crates/sidecar/src/telemetry.rs`).
+//! Logs and OpenTelemetry traces, set up like the sidecar's (`crates/telemetry`).
 //!
 //! Logs: JSON (`--log-format json`, what the chart sets) is the sidecar's layout — one object per
 //! line with `timestamp`, `level`, `message`, `target` and the event's fields at the top level —
@@ -45,7 +45,7 @@ pub fn enabled() -> bool {
 }
 
 /// Sets up logging (`filter` applies to logs only) and, with `otlp_endpoint`, trace export over
-/// OTLP/HTTP (protobuf) to `<endpoint>/v1/traces` (see [`tollgate_otlp`] for TLS and
+/// OTLP/HTTP (protobuf) to `<endpoint>/v1/traces` (see [`tollgate_telemetry::otlp`] for TLS and
 /// `otlp_ca_file`). Fails if a global subscriber is already set, or (after setting up logging)
 /// if the exporter cannot be built.
 pub fn init(
@@ -69,7 +69,7 @@ pub fn init(
         fmt.boxed()
     };
     // An exporter that cannot be built leaves logging working; the error is returned after.
-    let exporter = |e: &str| tollgate_otlp::tracer_provider(e, otlp_ca_file, service);
+    let exporter = |e: &str| tollgate_telemetry::otlp::tracer_provider(e, otlp_ca_file, service);
     let (otel, provider, export_error) = match otlp_endpoint.map(exporter) {
         None => (None, None, None),
         Some(Err(e)) => (None, None, Some(e)),

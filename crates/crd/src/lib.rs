@@ -2,10 +2,12 @@
 //! controller and the sidecar, and the one compile function that validates policies for all of
 //! them. Deliberately free of async runtimes and clients.
 
+pub mod check;
 pub mod compile;
 pub mod compiled;
 pub mod decode;
 pub mod duration;
+pub mod files;
 pub mod policy;
 pub mod stream;
 

@@ -17,7 +17,7 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     if let cli::Command::Check { paths } = &cli.command {
         // Offline: no cluster, no runtime. The sidecar's own `check`, so both say the same.
-        return tollgate_sidecar::cli::check(paths);
+        return tollgate_crd::check::run(paths);
     }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()

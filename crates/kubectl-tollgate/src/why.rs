@@ -105,7 +105,7 @@ fn admin_port(pod: &Pod, wanted: Option<&str>) -> anyhow::Result<(String, u16)> 
     Ok((container.name.clone(), number))
 }
 
-/// The query of `/debug/why` (see crates/sidecar/src/explain.rs).
+/// The query of `/debug/why` (see crates/engine/src/explain.rs).
 fn query(args: &WhyArgs) -> String {
     let mut q = form_urlencoded::Serializer::new(String::new());
     q.append_pair("method", &args.method);

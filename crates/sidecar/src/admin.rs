@@ -12,7 +12,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 
 use crate::controller::StreamHealth;
-use crate::engine::{Shared, is_ready};
+use tollgate_engine::shared::{Shared, is_ready};
 
 /// The rule stream being reported on, in controller mode.
 #[derive(Clone)]
@@ -52,7 +52,7 @@ pub async fn serve(
                     log_level(req).await
                 } else if req.uri().path() == "/debug/why" {
                     // Async: `balance=redis` reads Redis.
-                    match crate::explain::why(&shared, req.uri().query()).await {
+                    match tollgate_engine::explain::why(&shared, req.uri().query()).await {
                         Ok(v) => json(&v),
                         Err(e) => text(StatusCode::BAD_REQUEST, format!("/debug/why: {e}\n")),
                     }
@@ -167,7 +167,7 @@ fn route(
                 .map(|e| {
                     serde_json::json!({
                         "rule": e.rule,
-                        "keyHash": crate::identity::display(e.identity),
+                        "keyHash": tollgate_engine::identity::display(e.identity),
                         "key": e.key,
                         "rejected": e.count,
                         "maxOvercount": e.error,
@@ -205,7 +205,7 @@ async fn log_level(req: Request<Incoming>) -> Response<Full<Bytes>> {
         Err(_) => return text(StatusCode::PAYLOAD_TOO_LARGE, "filter too long\n"),
     };
     let directives = String::from_utf8_lossy(&body).trim().to_string();
-    match crate::telemetry::set_log_filter(&directives) {
+    match tollgate_telemetry::set_log_filter(&directives) {
         Ok(()) => {
             tracing::info!(filter = %directives, "log filter changed");
             let mut resp = Response::new(Full::new(Bytes::from(format!(

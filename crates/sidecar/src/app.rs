@@ -11,14 +11,14 @@ use tokio::net::TcpListener;
 use tollgate_limiter::{Clock, StoreConfig};
 
 use crate::args::RunArgs;
-use crate::audit::AuditLog;
-use crate::config;
 use crate::controller::{Apply, ControllerConfig};
-use crate::engine::Shared;
-use crate::global::{GlobalRuntime, LeaseSettings, Membership};
-use crate::metrics::Metrics;
-use crate::proxy::{self, Proxy, ProxyConfig};
-use crate::rules::RuleSet;
+use tollgate_crd::files;
+use tollgate_engine::audit::AuditLog;
+use tollgate_engine::metrics::Metrics;
+use tollgate_engine::rules::RuleSet;
+use tollgate_engine::shared::Shared;
+use tollgate_global::{GlobalRuntime, LeaseSettings, Membership};
+use tollgate_http::proxy::{self, Proxy, ProxyConfig};
 
 /// How often idle keys are evicted from the in-memory limiters.
 const EVICT_INTERVAL: Duration = Duration::from_secs(10);
@@ -87,7 +87,7 @@ pub async fn run(
     };
 
     let identity = match &args.key_hash_secret_file {
-        Some(path) => crate::identity::KeyIdentity::load_or_create(path)
+        Some(path) => tollgate_engine::identity::KeyIdentity::load_or_create(path)
             .map_err(|e| anyhow::anyhow!("--key-hash-secret-file: {e}"))?,
         None => {
             if args.controller.is_none() {
@@ -95,7 +95,7 @@ pub async fn run(
                     "no --key-hash-secret-file: key hashes in audit lines and top keys hold for this process only"
                 );
             }
-            crate::identity::KeyIdentity::per_process().map_err(|e| anyhow::anyhow!(e))?
+            tollgate_engine::identity::KeyIdentity::per_process().map_err(|e| anyhow::anyhow!(e))?
         }
     };
     let metrics = Metrics::new();
@@ -129,7 +129,7 @@ pub async fn run(
 
     let global = match &args.redis {
         Some(url) => {
-            let options = crate::global::store::RedisOptions {
+            let options = tollgate_global::store::RedisOptions {
                 url: url.clone(),
                 cluster: args.redis_cluster,
                 sentinel_master: args.redis_sentinel.clone(),
@@ -140,9 +140,12 @@ pub async fn run(
                 client_cert_file: args.redis_client_cert_file.clone(),
                 client_key_file: args.redis_client_key_file.clone(),
             };
-            let store =
-                crate::global::Store::with_options(options, args.redis_groups, args.sync_interval)
-                    .map_err(|e| anyhow::anyhow!("--redis: {e}"))?;
+            let store = tollgate_global::Store::with_options(
+                options,
+                args.redis_groups,
+                args.sync_interval,
+            )
+            .map_err(|e| anyhow::anyhow!("--redis: {e}"))?;
             store.set_metrics(shared.metrics.global.clone());
             Some(Arc::new(GlobalRuntime {
                 store,
@@ -169,7 +172,7 @@ pub async fn run(
 
     if let Source::Files(path) = &source {
         // Standalone: refuse to start on invalid files (later bad edits keep the last good rules).
-        let policies = config::load(path).map_err(|errs| {
+        let policies = files::load(path).map_err(|errs| {
             let lines: Vec<String> = errs.iter().map(ToString::to_string).collect();
             anyhow::anyhow!("invalid policies:\n{}", lines.join("\n"))
         })?;
@@ -233,8 +236,8 @@ pub async fn run(
         }
     };
     let sync_task = global.as_ref().map(|rt| {
-        tokio::spawn(crate::global::sync_loop(
-            Arc::clone(&shared) as Arc<dyn crate::global::GlobalSource>,
+        tokio::spawn(tollgate_global::sync_loop(
+            Arc::clone(&shared) as Arc<dyn tollgate_global::GlobalSource>,
             Arc::clone(rt),
             membership.clone(),
         ))
@@ -245,16 +248,18 @@ pub async fn run(
     match proxy {
         Some(proxy) => proxy::serve(listener, proxy, shutdown, args.drain_timeout).await,
         None => {
-            let quota = crate::rlqs::QuotaEdge::new(
+            let quota = tollgate_envoy::rlqs::QuotaEdge::new(
                 Arc::clone(&shared),
-                crate::rlqs::QuotaSettings {
+                tollgate_envoy::rlqs::QuotaSettings {
                     assignment_ttl: args.rlqs_assignment_ttl,
                     sync_interval: args.rlqs_sync_interval,
                     replica: membership.sidecar_id.clone(),
                 },
             );
-            fleet_task = Some(tokio::spawn(crate::rlqs::fleet_loop(quota.clone())));
-            crate::rls::serve(
+            fleet_task = Some(tokio::spawn(tollgate_envoy::rlqs::fleet_loop(
+                quota.clone(),
+            )));
+            tollgate_envoy::rls::serve(
                 listener,
                 Arc::clone(&shared),
                 quota,
@@ -271,7 +276,7 @@ pub async fn run(
         task.abort();
     }
     if let Some(rt) = &global {
-        crate::global::leave(shared.as_ref(), rt, &membership).await;
+        tollgate_global::leave(shared.as_ref(), rt, &membership).await;
     }
     rules_task.abort();
     evict_task.abort();
@@ -371,13 +376,13 @@ async fn reload_loop(
     store: StoreConfig,
     global: Option<Arc<GlobalRuntime>>,
 ) {
-    let mut last = config::fingerprint(&path);
+    let mut last = files::fingerprint(&path);
     let mut version = 1;
     let mut ticker = tokio::time::interval(every);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        let now = config::fingerprint(&path);
+        let now = files::fingerprint(&path);
         if now == last {
             continue;
         }
@@ -394,7 +399,7 @@ fn reload(
     global: Option<&Arc<GlobalRuntime>>,
 ) {
     let result =
-        config::load(path).map_err(|errs| errs.iter().map(ToString::to_string).collect::<Vec<_>>());
+        files::load(path).map_err(|errs| errs.iter().map(ToString::to_string).collect::<Vec<_>>());
     let result = result.and_then(|policies| {
         install(shared, *version + 1, policies, store, global).map_err(|e| vec![e.to_string()])
     });
@@ -449,7 +454,7 @@ pub async fn run_demo(mut args: RunArgs) -> anyhow::Result<()> {
         admin = args.admin,
         policy = policy.display(),
     );
-    let result = run(args, shutdown_signal()).await;
+    let result = run(args, tollgate_telemetry::shutdown_signal()).await;
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
@@ -482,28 +487,4 @@ fn default_sidecar_id() -> String {
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "sidecar".to_string());
     format!("{host}-{}", std::process::id())
-}
-
-/// Resolves on SIGTERM or Ctrl-C.
-pub async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
-    tracing::info!("shutdown requested; draining");
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::Args;
 use tollgate_crd::duration::parse_flag;
+use tollgate_telemetry::LogFormat;
 
 /// Options of the proxy (each also settable through the `TOLLGATE_*` variable shown).
 #[derive(Args, Debug, Clone)]
@@ -299,10 +300,4 @@ pub enum WithoutRules {
     PassThrough,
     /// Not ready until rules arrive.
     Unready,
-}
-
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LogFormat {
-    Json,
-    Text,
 }

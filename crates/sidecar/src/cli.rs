@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 
 use crate::app;
-use crate::args::{LogFormat, RunArgs};
+use crate::args::RunArgs;
+use tollgate_engine::replay;
+use tollgate_telemetry::LogFormat;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -36,7 +38,7 @@ pub enum Command {
         #[arg(long)]
         policy: Vec<PathBuf>,
         #[command(flatten)]
-        replay: crate::replay::ReplayArgs,
+        replay: ReplayFlags,
     },
     /// Print the stable identity (`key_hash` in audit lines and top keys) of a counter key,
     /// so support can find one client in the logs of every pod without raw keys being logged.
@@ -61,9 +63,78 @@ pub enum Command {
     },
 }
 
+/// Replay options of `tollgate-sidecar check`.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ReplayFlags {
+    /// Replay this access log (JSON lines, `-` for stdin) against the policies on a simulated
+    /// clock and print what every rule would have done; nothing is enforced.
+    #[arg(long, value_name = "ACCESS_LOG")]
+    pub replay: Option<PathBuf>,
+
+    /// With --replay: also replay the log against these policies (e.g. the ones in force) and
+    /// show the difference.
+    #[arg(long, value_name = "POLICY", requires = "replay")]
+    pub baseline: Vec<PathBuf>,
+
+    /// With --replay: show the most-rejected keys in clear instead of as hashes (keys are often
+    /// credentials or personal data).
+    #[arg(long, requires = "replay")]
+    pub raw_keys: bool,
+
+    /// With --replay: how many of the most-rejected keys to list per rule.
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    pub top: usize,
+
+    /// With --replay: `text` for people, `json` for pipelines (one object on stdout).
+    #[arg(long, value_enum, default_value_t = ReportFormat::Text, requires = "replay")]
+    pub output: ReportFormat,
+
+    /// With --baseline: exit with status 3 when more than this percentage of the replayed
+    /// requests would be rejected by the new policies and were admitted by the baseline; a
+    /// gate for CI before a policy change is applied.
+    #[arg(long, value_name = "PERCENT", requires = "baseline", value_parser = parse_percent)]
+    pub max_newly_rejected: Option<f64>,
+}
+
+/// How `check --replay` prints its report.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ReportFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+fn parse_percent(s: &str) -> Result<f64, String> {
+    let p: f64 = s
+        .trim_end_matches('%')
+        .parse()
+        .map_err(|_| format!("{s:?} is not a percentage"))?;
+    if (0.0..=100.0).contains(&p) {
+        Ok(p)
+    } else {
+        Err(format!("{s:?} is not between 0 and 100"))
+    }
+}
+
+impl From<ReplayFlags> for replay::ReplayArgs {
+    fn from(f: ReplayFlags) -> Self {
+        replay::ReplayArgs {
+            replay: f.replay,
+            baseline: f.baseline,
+            raw_keys: f.raw_keys,
+            top: f.top,
+            output: match f.output {
+                ReportFormat::Text => replay::ReportFormat::Text,
+                ReportFormat::Json => replay::ReportFormat::Json,
+            },
+            max_newly_rejected: f.max_newly_rejected,
+        }
+    }
+}
+
 /// `key-hash`: prints the identity of the key made of `parts`.
 fn key_hash(secret_file: &std::path::Path, parts: &[String]) -> std::process::ExitCode {
-    let identity = match crate::identity::KeyIdentity::read(secret_file) {
+    let identity = match tollgate_engine::identity::KeyIdentity::read(secret_file) {
         Ok(i) => i,
         Err(e) => {
             eprintln!("error: {e}");
@@ -84,7 +155,10 @@ fn key_hash(secret_file: &std::path::Path, parts: &[String]) -> std::process::Ex
             None => bytes.push(part.as_bytes().to_vec()),
         }
     }
-    println!("{}", crate::identity::display(identity.of_parts(&bytes)));
+    println!(
+        "{}",
+        tollgate_engine::identity::display(identity.of_parts(&bytes))
+    );
     std::process::ExitCode::SUCCESS
 }
 
@@ -99,9 +173,9 @@ pub fn main() -> std::process::ExitCode {
         }) => {
             paths.extend(policy);
             if replay.replay.is_some() {
-                crate::replay::run(&paths, &replay)
+                replay::run(&paths, &replay.into())
             } else {
-                check(&paths)
+                tollgate_crd::check::run(&paths)
             }
         }
         Some(Command::KeyHash { secret_file, parts }) => key_hash(&secret_file, &parts),
@@ -146,10 +220,12 @@ fn run_blocking(args: RunArgs, demo: bool) -> std::process::ExitCode {
         if demo {
             app::run_demo(args).await
         } else {
-            app::run(args, app::shutdown_signal()).await.map(|_| ())
+            app::run(args, tollgate_telemetry::shutdown_signal())
+                .await
+                .map(|_| ())
         }
     });
-    crate::telemetry::shutdown();
+    tollgate_telemetry::shutdown();
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -161,7 +237,7 @@ fn run_blocking(args: RunArgs, demo: bool) -> std::process::ExitCode {
 }
 
 fn init_logging(args: &RunArgs) {
-    if let Err(e) = crate::telemetry::init(
+    if let Err(e) = tollgate_telemetry::init(
         &args.log,
         args.log_format == LogFormat::Json,
         args.otlp_endpoint.as_deref(),
@@ -170,63 +246,4 @@ fn init_logging(args: &RunArgs) {
     ) {
         eprintln!("tollgate-sidecar: telemetry: {e}");
     }
-}
-
-/// `tollgate-sidecar check` (and `kubectl tollgate check`): prints each rule of the policy
-/// files in words to stdout, or every error with its field path to stderr; FAILURE on errors.
-pub fn check(paths: &[PathBuf]) -> std::process::ExitCode {
-    let mut failed = false;
-    for path in paths {
-        match crate::config::load(path) {
-            Ok(policies) => {
-                for p in &policies {
-                    println!(
-                        "policy {} (selects {})",
-                        p.id(),
-                        describe_selector(&p.selector)
-                    );
-                    for r in &p.rules {
-                        println!("  - {}", r.describe());
-                    }
-                    if !p.bypass.keys.is_empty() || !p.bypass.cidrs.is_empty() {
-                        println!(
-                            "  bypass: {} key(s), networks {:?}",
-                            p.bypass.keys.len(),
-                            p.bypass
-                                .cidrs
-                                .iter()
-                                .map(ToString::to_string)
-                                .collect::<Vec<_>>()
-                        );
-                    }
-                }
-            }
-            Err(errors) => {
-                failed = true;
-                for e in errors {
-                    eprintln!("error: {e}");
-                }
-            }
-        }
-    }
-    if failed {
-        std::process::ExitCode::FAILURE
-    } else {
-        std::process::ExitCode::SUCCESS
-    }
-}
-
-fn describe_selector(s: &tollgate_crd::compiled::Selector) -> String {
-    if s.match_labels.is_empty() && s.match_expressions.is_empty() {
-        return "every pod in the namespace".to_string();
-    }
-    let mut parts: Vec<String> = s
-        .match_labels
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect();
-    for e in &s.match_expressions {
-        parts.push(format!("{} {:?} {:?}", e.key, e.operator, e.values));
-    }
-    format!("pods with {}", parts.join(", "))
 }

@@ -22,8 +22,8 @@ use tollgate_crd::stream::{
 };
 
 use crate::args::WithoutRules;
-use crate::engine::Shared;
 use crate::rules_cache::RulesCache;
+use tollgate_engine::shared::Shared;
 
 /// Where and as whom to connect.
 #[derive(Clone, Debug)]
@@ -879,9 +879,9 @@ async fn report_top_keys(current: CurrentSession, config: ControllerConfig, shar
 
 /// Adds a drained sketch to the keys not yet reported, keeping the most rejected
 /// [`MAX_REPORTED_KEYS`] (what is cut is a key that no longer qualifies as a top key).
-fn merge_reported(pending: &mut Vec<ReportedKey>, drained: Vec<crate::topkeys::Entry>) {
+fn merge_reported(pending: &mut Vec<ReportedKey>, drained: Vec<tollgate_engine::topkeys::Entry>) {
     for e in drained {
-        let key_hash = crate::identity::display(e.identity);
+        let key_hash = tollgate_engine::identity::display(e.identity);
         match pending
             .iter_mut()
             .find(|p| p.rule == e.rule && p.key_hash == key_hash)
@@ -941,7 +941,7 @@ mod tests {
 
     #[test]
     fn unsent_top_keys_add_up_and_keep_the_heaviest() {
-        let entry = |identity: u64, count: u64| crate::topkeys::Entry {
+        let entry = |identity: u64, count: u64| tollgate_engine::topkeys::Entry {
             rule: "shop/limits/per-key".into(),
             key_hash: identity ^ 0xff,
             identity,
@@ -952,7 +952,7 @@ mod tests {
         let mut pending = Vec::new();
         merge_reported(&mut pending, vec![entry(1, 5), entry(2, 3)]);
         merge_reported(&mut pending, vec![entry(2, 4)]);
-        assert_eq!(pending[0].key_hash, crate::identity::display(2));
+        assert_eq!(pending[0].key_hash, tollgate_engine::identity::display(2));
         assert_eq!((pending[0].rejected, pending[0].max_overcount), (7, 2));
         assert_eq!(pending[1].rejected, 5);
         let flood: Vec<_> = (10..10 + MAX_REPORTED_KEYS as u64)

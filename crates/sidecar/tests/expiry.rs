@@ -16,7 +16,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use tollgate_sidecar::global::store::{LeaseOp, Store};
+use tollgate_global::store::{LeaseOp, Store};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 

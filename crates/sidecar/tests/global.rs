@@ -308,7 +308,7 @@ async fn membership_follows_sidecars_joining_and_leaving() {
 /// Fills Redis with `keys` active token buckets through the real lease script and returns the
 /// bytes of Redis memory per bucket.
 async fn redis_bytes_per_key(redis: &Redis, keys: u32, groups: u32) -> f64 {
-    use tollgate_sidecar::global::store::{LeaseOp, Store};
+    use tollgate_global::store::{LeaseOp, Store};
     let store = Store::new(&redis.url(), false, groups).expect("store");
     let used = || redis.used_memory() as f64;
     // One warm-up call loads the script, so its memory is not counted per key.

@@ -56,7 +56,7 @@ async fn server(redis: &Redis, failure: &str, ttl: &str) -> Sidecar {
             "--rlqs-assignment-ttl",
             ttl,
             "--log",
-            "info,tollgate_sidecar::rlqs=debug",
+            "info,tollgate_envoy::rlqs=debug",
         ],
     )
     .await

@@ -1,12 +1,27 @@
-//! Layering: within each crate, top-level modules depend on each other one way only. Reads
-//! the sources, draws an edge from a module to every `crate::<module>` path its code names
-//! (comments and unit tests left out), and fails on any dependency circle, so one cannot creep
-//! in unnoticed.
+//! Layering, enforced. Crates: each shipped crate sits in a layer (`CRATE_LAYERS`, the
+//! picture of docs/architecture.md) and may depend only on crates of lower layers, so the
+//! engine never learns of an edge and no edge of another. Modules: within each crate,
+//! top-level modules depend on each other one way only. The module check reads the sources,
+//! draws an edge from a module to every `crate::<module>` path its code names (comments and
+//! unit tests left out), and fails on any dependency circle, so one cannot creep in unnoticed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 use tollgate_e2e::repo_root;
+
+/// The shipped crates from the bottom up; a crate may use crates of lower layers only.
+const CRATE_LAYERS: &[&[&str]] = &[
+    &["tollgate-limiter", "tollgate-crd", "tollgate-telemetry"],
+    &["tollgate-global"],
+    &["tollgate-engine"],
+    &["tollgate-http", "tollgate-envoy"],
+    &[
+        "tollgate-sidecar",
+        "tollgate-controller",
+        "kubectl-tollgate",
+    ],
+];
 
 /// Circles tolerated, per crate: none.
 const KNOWN: &[(&str, &[&str])] = &[];
@@ -105,21 +120,110 @@ fn circles(graph: &Graph) -> Vec<Vec<String>> {
     s.out
 }
 
-#[test]
-fn modules_depend_on_each_other_one_way() {
-    let root = repo_root();
-    let mut failures = Vec::new();
-    for krate in [
-        "controller",
-        "sidecar",
-        "crd",
-        "limiter",
-        "kubectl-tollgate",
-    ] {
-        let src = root.join("crates").join(krate).join("src");
-        if !src.is_dir() {
+/// The `tollgate-*` crates a manifest's `[dependencies]` (and `[build-dependencies]`) name.
+fn tollgate_dependencies(manifest: &str) -> (String, BTreeSet<String>) {
+    let mut name = String::new();
+    let mut deps = BTreeSet::new();
+    let mut section = String::new();
+    for line in manifest.lines().map(str::trim) {
+        if line.starts_with('[') {
+            section = line.trim_matches(['[', ']']).to_string();
             continue;
         }
+        let Some((key, value)) = line.split_once('=') else {
+            continue;
+        };
+        let key = key.trim().trim_end_matches(".workspace");
+        if section == "package" && key == "name" {
+            name = value.trim().trim_matches('"').to_string();
+        }
+        let runtime = section == "dependencies" || section == "build-dependencies";
+        if runtime && (key.starts_with("tollgate-") || key == "kubectl-tollgate") {
+            deps.insert(key.to_string());
+        }
+    }
+    (name, deps)
+}
+
+/// Dependencies that do not point to a lower layer, as messages.
+fn upward_dependencies(
+    layers: &[&[&str]],
+    deps: &BTreeMap<String, BTreeSet<String>>,
+) -> Vec<String> {
+    let layer_of = |c: &str| layers.iter().position(|l| l.contains(&c));
+    let mut out = Vec::new();
+    for (krate, uses) in deps {
+        let Some(mine) = layer_of(krate) else {
+            out.push(format!(
+                "{krate}: not in CRATE_LAYERS (place it in a layer)"
+            ));
+            continue;
+        };
+        for dep in uses {
+            match layer_of(dep) {
+                Some(theirs) if theirs < mine => {}
+                Some(theirs) => out.push(format!(
+                    "{krate} (layer {mine}) uses {dep} (layer {theirs}): dependencies point down only"
+                )),
+                None => out.push(format!("{krate} uses {dep}, which is in no layer")),
+            }
+        }
+    }
+    out
+}
+
+/// Every crate under `crates/` except test support.
+fn shipped_crates() -> Vec<std::path::PathBuf> {
+    let mut dirs: Vec<_> = std::fs::read_dir(repo_root().join("crates"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("Cargo.toml").is_file() && !p.ends_with("testkit"))
+        .collect();
+    dirs.sort();
+    dirs
+}
+
+#[test]
+fn crates_depend_on_lower_layers_only() {
+    let mut deps = BTreeMap::new();
+    for dir in shipped_crates() {
+        let (name, uses) =
+            tollgate_dependencies(&std::fs::read_to_string(dir.join("Cargo.toml")).unwrap());
+        deps.insert(name, uses);
+    }
+    assert!(deps.len() >= 8, "too few crates found: {deps:?}");
+    let wrong = upward_dependencies(CRATE_LAYERS, &deps);
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+#[test]
+fn the_crate_check_finds_upward_and_sideways_dependencies() {
+    let layers: &[&[&str]] = &[&["tollgate-a"], &["tollgate-b", "tollgate-c"]];
+    let (name, uses) = tollgate_dependencies(
+        "[package]\nname = \"tollgate-b\"\n[dependencies]\ntollgate-a.workspace = true\n\
+         tollgate-c = { path = \"../c\" }\nserde = \"1\"\n[dev-dependencies]\ntollgate-x.workspace = true\n",
+    );
+    assert_eq!(name, "tollgate-b");
+    let deps: BTreeMap<String, BTreeSet<String>> = [
+        (name, uses),
+        ("tollgate-a".to_string(), ["tollgate-b".to_string()].into()),
+    ]
+    .into();
+    assert_eq!(
+        upward_dependencies(layers, &deps),
+        vec![
+            "tollgate-a (layer 0) uses tollgate-b (layer 1): dependencies point down only",
+            "tollgate-b (layer 1) uses tollgate-c (layer 1): dependencies point down only",
+        ]
+    );
+}
+
+#[test]
+fn modules_depend_on_each_other_one_way() {
+    let mut failures = Vec::new();
+    for dir in shipped_crates() {
+        let krate = dir.file_name().unwrap().to_string_lossy().to_string();
+        let src = dir.join("src");
         let mut graph = Graph::new();
         collect(&src, &src, &mut graph);
         assert!(

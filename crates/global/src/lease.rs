@@ -22,8 +22,8 @@ use parking_lot::Mutex;
 use tollgate_crd::compiled::{Accuracy, Algorithm, CompiledLimit, CompiledRule, FailureMode};
 use tollgate_limiter::{Decision, KeyedLimiter, Nanos, Quota, StoreConfig};
 
-use super::GlobalMetrics;
-use super::store::{LeaseOp, LeaseReply, SETTLEMENT_RETRY_FOR, Store, StoreError};
+use crate::GlobalMetrics;
+use crate::store::{LeaseOp, LeaseReply, SETTLEMENT_RETRY_FOR, Store, StoreError};
 
 const NANOS_PER_MS: Nanos = 1_000_000;
 const SHARDS: usize = 16;

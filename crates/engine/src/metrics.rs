@@ -43,7 +43,7 @@ pub struct Metrics {
     pub controller_version: Gauge,
     pub rules_from_cache: Gauge,
     pub rules_passthrough: Gauge,
-    pub global: crate::global::GlobalMetrics,
+    pub global: tollgate_global::GlobalMetrics,
     pub quota: QuotaMetrics,
 }
 
@@ -214,7 +214,7 @@ impl Metrics {
             "1 while the sidecar is ready without any rules (--without-rules=pass-through after --rules-wait): nothing is limited",
             rules_passthrough.clone(),
         );
-        let global = crate::global::GlobalMetrics::register(&mut registry);
+        let global = tollgate_global::GlobalMetrics::register(&mut registry);
         let quota = QuotaMetrics::register(&mut registry);
         Metrics {
             quota,

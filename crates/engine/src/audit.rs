@@ -31,7 +31,7 @@ pub struct AuditLog {
     adopted: parking_lot::Mutex<Option<String>>,
     /// Most-rejected keys, for `/debug/top-keys`.
     pub top: crate::topkeys::TopKeys,
-    /// The same, since the last report to the controller (`crate::controller`), which drains
+    /// The same, since the last report to the controller (`tollgate_sidecar::controller`), which drains
     /// it; fed only once a reporter runs.
     pub unreported: crate::topkeys::TopKeys,
     reporting: std::sync::atomic::AtomicBool,
@@ -166,7 +166,7 @@ impl AuditLog {
         }
         let raw = self.raw_keys.then(|| printable(&rejection.key));
         let client = client_of(request);
-        let trace_id = crate::telemetry::trace_id(request.span, request.headers);
+        let trace_id = tollgate_telemetry::trace_id(request.span, request.headers);
         tracing::info!(
             target: "tollgate::audit",
             event = "rejected",
@@ -206,7 +206,7 @@ impl AuditLog {
         let key_hash = key.map(|k| crate::identity::display(self.identity.load().of(k)));
         let raw = key.filter(|_| self.raw_keys).map(printable);
         let client = client_of(request);
-        let trace_id = crate::telemetry::trace_id(request.span, request.headers);
+        let trace_id = tollgate_telemetry::trace_id(request.span, request.headers);
         tracing::info!(
             target: "tollgate::audit",
             event = "unavailable",

@@ -40,62 +40,36 @@ use tollgate_limiter::{Nanos, Permit, StoreConfig};
 use crate::metrics::Metrics;
 use crate::rules::{KeyHasher, RuleEvent, RuleSet};
 
-/// Replay options of `tollgate-sidecar check`.
-#[derive(clap::Args, Debug, Clone, Default)]
+/// What `check --replay` was asked to do (the sidecar's command line parses it).
+#[derive(Debug, Clone, Default)]
 pub struct ReplayArgs {
-    /// Replay this access log (JSON lines, `-` for stdin) against the policies on a simulated
-    /// clock and print what every rule would have done; nothing is enforced.
-    #[arg(long, value_name = "ACCESS_LOG")]
+    /// The access log (JSON lines, `-` for stdin).
     pub replay: Option<PathBuf>,
-
-    /// With --replay: also replay the log against these policies (e.g. the ones in force) and
-    /// show the difference.
-    #[arg(long, value_name = "POLICY", requires = "replay")]
+    /// Policies to replay the log against as well, to show the difference.
     pub baseline: Vec<PathBuf>,
-
-    /// With --replay: show the most-rejected keys in clear instead of as hashes (keys are often
-    /// credentials or personal data).
-    #[arg(long, requires = "replay")]
+    /// Show the most-rejected keys in clear instead of as hashes.
     pub raw_keys: bool,
-
-    /// With --replay: how many of the most-rejected keys to list per rule.
-    #[arg(long, value_name = "N", default_value_t = 5)]
+    /// How many of the most-rejected keys to list per rule.
     pub top: usize,
-
-    /// With --replay: `text` for people, `json` for pipelines (one object on stdout).
-    #[arg(long, value_enum, default_value_t = ReportFormat::Text, requires = "replay")]
     pub output: ReportFormat,
-
-    /// With --baseline: exit with status 3 when more than this percentage of the replayed
-    /// requests would be rejected by the new policies and were admitted by the baseline; a
-    /// gate for CI before a policy change is applied.
-    #[arg(long, value_name = "PERCENT", requires = "baseline", value_parser = parse_percent)]
+    /// Exit with [`EXIT_GATE`] when more than this percentage of the requests would be newly
+    /// rejected.
     pub max_newly_rejected: Option<f64>,
 }
 
 /// How `check --replay` prints its report.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ReportFormat {
+    /// For people.
     #[default]
     Text,
+    /// One object on stdout, for pipelines.
     Json,
 }
 
 /// Exit status of `check --replay` when `--max-newly-rejected` is exceeded (1 is an error, 2 a
 /// usage error).
 pub const EXIT_GATE: u8 = 3;
-
-fn parse_percent(s: &str) -> Result<f64, String> {
-    let p: f64 = s
-        .trim_end_matches('%')
-        .parse()
-        .map_err(|_| format!("{s:?} is not a percentage"))?;
-    if (0.0..=100.0).contains(&p) {
-        Ok(p)
-    } else {
-        Err(format!("{s:?} is not between 0 and 100"))
-    }
-}
 
 /// Malformed lines listed in the report; the rest are only counted.
 const MAX_LISTED_ERRORS: usize = 20;
@@ -185,7 +159,7 @@ fn load_policies(paths: &[PathBuf]) -> Option<Vec<CompiledPolicy>> {
     let mut out: Vec<CompiledPolicy> = Vec::new();
     let mut failed = false;
     for path in paths {
-        match crate::config::load(path) {
+        match tollgate_crd::files::load(path) {
             Ok(policies) => {
                 for p in policies {
                     if out.iter().any(|q| q.id() == p.id()) {

@@ -1,4 +1,5 @@
-//! Standalone mode: policies read from a file or directory and reloaded when they change.
+//! Policy files: the standalone sidecar, `check` and replay read RateLimitPolicies from a file
+//! or a directory; the sidecar reloads them when they change.
 //!
 //! Changes are detected by polling a fingerprint (paths, sizes, modification times) rather than
 //! with inotify: Kubernetes ConfigMap volumes update by swapping a symlinked directory, which
@@ -7,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
-use tollgate_crd::CompiledPolicy;
+use crate::CompiledPolicy;
 
 /// One problem in the policy files, with the file and field it concerns.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,7 +89,7 @@ pub fn load(path: &Path) -> Result<Vec<CompiledPolicy>, Vec<ConfigError>> {
             }
         };
         // Unknown fields (`burts:` for `burst:`) are errors, reported with the compile errors.
-        match tollgate_crd::parse_yaml_documents(&text) {
+        match crate::parse_yaml_documents(&text) {
             Err(e) => errors.push(ConfigError(format!("{}: {e}", file.display()))),
             Ok(docs) => {
                 for doc in &docs {

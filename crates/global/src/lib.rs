@@ -1,11 +1,15 @@
-//! Global limits: buckets in Redis, spent through local leases, synced in the background.
+//! tollgate-global: global limits. Buckets live in Redis and are spent through local leases,
+//! synced in the background. Knows the compiled rules and the limiter, nothing of requests,
+//! protocols or the process around it.
 //!
 //! - [`store`]: Redis, the Lua scripts, timeouts and the circuit breaker.
 //! - [`lease`]: per-rule local allowances and the hot path that spends them.
 //! - [`sync`]: the background loop (returns, top-ups, membership heartbeats).
-//! - this module: the metrics.
+//! - [`quota`]: a compiled limit as the limiter's quota (the local rules use it too).
+//! - this module: the metrics, registered by this crate.
 
 pub mod lease;
+pub mod quota;
 pub mod store;
 pub mod sync;
 

@@ -28,12 +28,12 @@ pub struct Shared {
     /// The last configuration error, while the previous good rules stay in force.
     pub config_error: ArcSwapOption<String>,
     /// The global limiter, when Redis is configured (for `/debug/config`).
-    pub global: std::sync::OnceLock<Arc<crate::global::GlobalRuntime>>,
+    pub global: std::sync::OnceLock<Arc<tollgate_global::GlobalRuntime>>,
 }
 
 /// The global engine's view: the global rules of the rule set in force.
-impl crate::global::GlobalSource for Shared {
-    fn global_rules(&self) -> Vec<Arc<crate::global::GlobalRule>> {
+impl tollgate_global::GlobalSource for Shared {
+    fn global_rules(&self) -> Vec<Arc<tollgate_global::GlobalRule>> {
         self.rules
             .load()
             .rules

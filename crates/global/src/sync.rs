@@ -11,8 +11,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tollgate_limiter::Nanos;
 
-use super::lease::{GlobalRule, GlobalRuntime, Slot};
-use super::store::{self, LeaseReply, StoreError};
+use crate::lease::{GlobalRule, GlobalRuntime, Slot};
+use crate::store::{self, LeaseReply, StoreError};
 
 /// What the sync loop reads of the sidecar.
 pub trait GlobalSource: Send + Sync {
@@ -242,12 +242,12 @@ impl SyncLoop {
             Some(runtime.store.lease_batch(ops, timeout).await)
         };
         let round = async { tokio::join!(heartbeat, lease) };
-        if !crate::telemetry::enabled() {
+        if !tollgate_telemetry::enabled() {
             return round.await;
         }
         use tracing::Instrument;
         let span = tracing::info_span!(
-            target: crate::telemetry::TRACE_TARGET,
+            target: tollgate_telemetry::TRACE_TARGET,
             "lease sync",
             otel.name = "tollgate lease sync",
             lease.ops = ops.len(),

@@ -14,10 +14,10 @@ use serde_json::{Value, json};
 use tollgate_crd::compiled::{Algorithm, GlobalBackend, MissingKey};
 use tollgate_limiter::Nanos;
 
-use crate::engine::Shared;
-use crate::global::GlobalRule;
 use crate::keys::{self, PartValue};
 use crate::rules::{ActiveRule, Applies, KeySkip, RuleSet, request_cost};
+use crate::shared::Shared;
+use tollgate_global::GlobalRule;
 
 /// The request to explain, from the query: `method` (default GET), `path` (default `/`, may carry
 /// a query string), `header=name:value` (repeatable), `clientIp` (the peer address key parts

@@ -559,7 +559,7 @@ struct Connector {
     /// The failure last logged at warn level: a failure is logged once, not every attempt.
     reported: parking_lot::Mutex<Option<String>>,
     /// Failed attempts are counted here (callers that stop waiting only see a timeout).
-    metrics: std::sync::OnceLock<super::GlobalMetrics>,
+    metrics: std::sync::OnceLock<crate::GlobalMetrics>,
     /// Calls that timed out since the last one that succeeded; see [`Store::after_error`].
     timeouts_in_a_row: AtomicU32,
     /// When a call last succeeded (on `clock`).
@@ -708,7 +708,7 @@ impl Store {
     }
 
     /// Where failed connection attempts are counted (`tollgate_redis_errors_total{kind}`).
-    pub fn set_metrics(&self, metrics: super::GlobalMetrics) {
+    pub fn set_metrics(&self, metrics: crate::GlobalMetrics) {
         let _ = self.connector.metrics.set(metrics);
     }
 

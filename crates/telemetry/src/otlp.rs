@@ -116,7 +116,8 @@ mod tests {
 
     #[test]
     fn an_unusable_ca_file_is_a_clear_error() {
-        let dir = std::env::temp_dir().join(format!("tollgate-otlp-test-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("tollgate-telemetry-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let missing = dir.join("missing.pem");
         let err = tracer_provider("https://collector:4318", Some(&missing), "t").unwrap_err();

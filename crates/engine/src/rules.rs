@@ -18,10 +18,10 @@ use tollgate_crd::compiled::*;
 use tollgate_limiter::{self as limiter, KeyedLimiter, Nanos, Permit, Quota, StoreConfig};
 
 use crate::block::BlockList;
-use crate::global::{GlobalRule, GlobalRuntime, LocalOutcome};
 use crate::keys::{self, PartValue};
 use crate::metrics::{Metrics, RuleMetrics};
-use crate::quota::quota_for;
+use tollgate_global::quota::quota_for;
+use tollgate_global::{GlobalRule, GlobalRuntime, LocalOutcome};
 
 /// A rule ready to evaluate.
 pub struct ActiveRule {

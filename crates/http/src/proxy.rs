@@ -27,12 +27,12 @@ use tokio::net::TcpListener;
 use tollgate_crd::compiled::KeySource;
 use tollgate_limiter::{Clock, Permit};
 
-use crate::engine::Shared;
-use crate::keys;
-use crate::response;
-use crate::rules::{Outcome, Rejection, RuleSet, Verdict};
-use crate::telemetry;
 use crate::upstream::{Lease, Upstream};
+use tollgate_engine::keys;
+use tollgate_engine::response;
+use tollgate_engine::rules::{Outcome, Rejection, RuleSet, Verdict};
+use tollgate_engine::shared::Shared;
+use tollgate_telemetry as telemetry;
 use tracing::Instrument;
 
 /// Settings of the proxy path.
@@ -122,7 +122,7 @@ pub async fn serve(
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
-            (stream, peer) = crate::listen::accept(&listener) => {
+            (stream, peer) = tollgate_engine::listen::accept(&listener) => {
                 let fast = fast_path.then(|| Arc::clone(&shared));
                 let shared = Arc::clone(&shared);
                 // Formatted once per connection, cloned (a refcount) per request.
@@ -331,7 +331,8 @@ fn audit_unavailable(
     span: Option<&tracing::Span>,
 ) {
     let mut key = Vec::new();
-    let counted = rules.applies(ri, req, peer, &mut key) == crate::rules::Applies::Counted;
+    let counted =
+        rules.applies(ri, req, peer, &mut key) == tollgate_engine::rules::Applies::Counted;
     let request = refused_request(rules, ri, req, peer, span);
     shared.engine.audit.unavailable(
         &rules.rules[ri],
@@ -347,8 +348,8 @@ fn refused_request<'a>(
     req: &'a Parts,
     peer: &'a SocketAddr,
     span: Option<&'a tracing::Span>,
-) -> crate::audit::RefusedRequest<'a> {
-    crate::audit::RefusedRequest {
+) -> tollgate_engine::audit::RefusedRequest<'a> {
+    tollgate_engine::audit::RefusedRequest {
         policy: &rules.policies[rules.rules[ri].policy].id,
         method: &req.method,
         path: req.uri.path(),

@@ -37,10 +37,10 @@ use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 
 use super::Proxy;
-use crate::response::{self, FieldSink};
-use crate::rules::{Outcome, RuleSet, Verdict};
-use crate::telemetry;
+use tollgate_engine::response::{self, FieldSink};
+use tollgate_engine::rules::{Outcome, RuleSet, Verdict};
 use tollgate_limiter::Clock;
+use tollgate_telemetry as telemetry;
 use tracing::Instrument;
 
 pub mod wire;

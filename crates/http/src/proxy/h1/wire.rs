@@ -621,7 +621,7 @@ fn last_token_is(value: &[u8], token: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::response::FieldSink;
+    use tollgate_engine::response::FieldSink;
 
     fn request(raw: &[u8]) -> Scan<RequestHead> {
         scan_request(raw)
@@ -732,7 +732,7 @@ X-Private: secret\r\nRateLimit: \"app\";r=1\r\nTransfer-Encoding: chunked\r\nDat
 X-App: 1\r\n\r\n";
         let head = response(raw, false);
         let mut fields = FieldLines::default();
-        fields.set(&crate::response::RATELIMIT, b"\"r\";r=4");
+        fields.set(&tollgate_engine::response::RATELIMIT, b"\"r\";r=4");
         let mut out = Vec::new();
         encode_response_head(&mut out, raw, &head, &fields, true);
         assert_eq!(
@@ -744,7 +744,8 @@ X-App: 1\r\nratelimit: \"r\";r=4\r\nconnection: close\r\n\r\n"
 
     #[test]
     fn local_responses_carry_length_and_date() {
-        let resp = crate::response::problem(StatusCode::BAD_GATEWAY, "Bad Gateway", "down");
+        let resp =
+            tollgate_engine::response::problem(StatusCode::BAD_GATEWAY, "Bad Gateway", "down");
         let mut out = Vec::new();
         encode_local(&mut out, &resp, false);
         let text = String::from_utf8(out).unwrap();

@@ -3,7 +3,7 @@
 //!
 //! Each descriptor of a request is one decision of the engine, exactly as an HTTP request is:
 //! the descriptor rides in the extensions of an otherwise empty request
-//! ([`keys::Descriptor`](crate::keys::Descriptor)), so matching, keys, local and leased global
+//! ([`keys::Descriptor`](tollgate_engine::keys::Descriptor)), so matching, keys, local and leased global
 //! limits, shadow mode and failure modes are the sidecar's own, and a hot key spends its lease
 //! with no Redis call. `hits_addend` multiplies the rule's cost. The answer maps the engine's
 //! typed [`Outcome`] in one place ([`descriptor_answer`]):
@@ -39,10 +39,10 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tonic::codegen::Service as _;
 
-use crate::engine::Shared;
-use crate::keys::Descriptor;
-use crate::response;
-use crate::rules::{Outcome, RuleSet, Verdict};
+use tollgate_engine::keys::Descriptor;
+use tollgate_engine::response;
+use tollgate_engine::rules::{Outcome, RuleSet, Verdict};
+use tollgate_engine::shared::Shared;
 
 /// More descriptors than any route's `rate_limits` actions build; beyond, the request is
 /// refused (`INVALID_ARGUMENT`) rather than decided in bulk.
@@ -86,7 +86,7 @@ pub async fn serve(
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
-            (stream, peer) = crate::listen::accept(&listener) => {
+            (stream, peer) = tollgate_engine::listen::accept(&listener) => {
                 let (rls, rlqs) = (rls.clone(), rlqs.clone());
                 let service = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
                     let call: GrpcCall = if req.uri().path().starts_with(RLQS_PREFIX) {
@@ -173,7 +173,7 @@ impl RateLimitService for RateLimitEdge {
 
 impl RateLimitEdge {
     /// The audit line and top-keys count of a rejected descriptor, as for an HTTP request.
-    fn audit(&self, rules: &RuleSet, rejection: &crate::rules::Rejection, domain: &str) {
+    fn audit(&self, rules: &RuleSet, rejection: &tollgate_engine::rules::Rejection, domain: &str) {
         let rule = &rules.rules[rejection.limited.rule];
         with_refused_request(rules, rule, domain, |request| {
             self.engine
@@ -192,8 +192,8 @@ impl RateLimitEdge {
     ) {
         let rule = &rules.rules[ri];
         let mut key = Vec::new();
-        let counted =
-            rules.applies(ri, parts, &NO_PEER, &mut key) == crate::rules::Applies::Counted;
+        let counted = rules.applies(ri, parts, &NO_PEER, &mut key)
+            == tollgate_engine::rules::Applies::Counted;
         with_refused_request(rules, rule, domain, |request| {
             self.engine.audit.unavailable(
                 rule,
@@ -209,13 +209,13 @@ impl RateLimitEdge {
 /// the client's, so the line names the domain (`rls:<domain>`).
 fn with_refused_request(
     rules: &RuleSet,
-    rule: &crate::rules::ActiveRule,
+    rule: &tollgate_engine::rules::ActiveRule,
     domain: &str,
-    write: impl FnOnce(&crate::audit::RefusedRequest<'_>),
+    write: impl FnOnce(&tollgate_engine::audit::RefusedRequest<'_>),
 ) {
     let path = format!("rls:{domain}");
     let headers = http::HeaderMap::new();
-    write(&crate::audit::RefusedRequest {
+    write(&tollgate_engine::audit::RefusedRequest {
         policy: &rules.policies[rule.policy].id,
         method: &http::Method::POST,
         path: &path,

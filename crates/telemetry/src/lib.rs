@@ -1,4 +1,4 @@
-//! Logs and OpenTelemetry traces.
+//! tollgate-telemetry: logs and OpenTelemetry traces, set up the same way by every binary.
 //!
 //! Logs are structured (JSON by default) with a filter that can be changed at runtime through
 //! the admin port (`PUT /debug/log-level`). Traces are off unless an OTLP endpoint is
@@ -6,6 +6,8 @@
 //! When on, every proxied request gets a span carrying the decision and the rule, continues the
 //! caller's W3C trace context, and passes its own context on to the upstream; Redis lease calls
 //! get spans too.
+
+pub mod otlp;
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,7 +35,7 @@ pub fn enabled() -> bool {
 
 /// Sets up logging and, with `otlp_endpoint` (or else the standard `OTEL_EXPORTER_OTLP_ENDPOINT`
 /// variable), trace export over OTLP/HTTP (protobuf) to `<endpoint>/v1/traces` (see
-/// [`tollgate_otlp`] for TLS and `otlp_ca_file`). An exporter that cannot be built leaves
+/// [`otlp`] for TLS and `otlp_ca_file`). An exporter that cannot be built leaves
 /// logging working; the error is returned after.
 pub fn init(
     log_filter: &str,
@@ -60,9 +62,9 @@ pub fn init(
     } else {
         fmt.boxed()
     };
-    let provider = tollgate_otlp::endpoint(otlp_endpoint).map(|endpoint| {
-        let ca = tollgate_otlp::ca_file(otlp_ca_file);
-        tollgate_otlp::tracer_provider(&endpoint, ca.as_deref(), service)
+    let provider = crate::otlp::endpoint(otlp_endpoint).map(|endpoint| {
+        let ca = crate::otlp::ca_file(otlp_ca_file);
+        crate::otlp::tracer_provider(&endpoint, ca.as_deref(), service)
     });
     let (provider, export_error) = match provider {
         None => (None, None),
@@ -158,4 +160,39 @@ pub fn trace_id(span: Option<&Span>, headers: &HeaderMap) -> Option<String> {
             .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
         && id.bytes().any(|b| b != b'0');
     valid.then(|| id.to_string())
+}
+
+/// How logs are written: `--log-format` of every binary.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    /// One JSON object per line, for log collectors.
+    Json,
+    /// Human-readable lines (`plain`, the controller's earlier name, is accepted too).
+    #[value(alias = "plain")]
+    Text,
+}
+
+/// Resolves on SIGTERM or Ctrl-C, and logs that the drain begins: every binary waits on this
+/// before it stops accepting work.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+    tracing::info!("shutdown requested; draining");
 }

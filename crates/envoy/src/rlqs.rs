@@ -42,11 +42,11 @@ use futures_util::Stream;
 use tollgate_crd::compiled::{Algorithm, FailureMode, Mode, Scope};
 use tollgate_limiter::{Clock, Nanos};
 
-use crate::engine::Shared;
-use crate::global::store::ShareOp;
-use crate::keys::Descriptor;
-use crate::rules::{Applies, RuleSet};
 use crate::share::{Answer, Assignment, Book, Limit, Remote, StreamId, Usage};
+use tollgate_engine::keys::Descriptor;
+use tollgate_engine::rules::{Applies, RuleSet};
+use tollgate_engine::shared::Shared;
+use tollgate_global::store::ShareOp;
 
 /// RLQS has no client address, as RLS.
 const NO_PEER: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0);
@@ -441,7 +441,7 @@ impl QuotaState {
         );
     }
 
-    async fn exchange(&self, global: &crate::global::GlobalRuntime) {
+    async fn exchange(&self, global: &tollgate_global::GlobalRuntime) {
         let streams = self.streams.lock().len() as u32;
         let (keys, mut ops): (Vec<BucketKey>, Vec<ShareOp>) = self
             .book
@@ -487,7 +487,7 @@ impl QuotaState {
     }
 }
 
-fn remote_of(reply: crate::global::store::ShareReply, now: Nanos) -> Remote {
+fn remote_of(reply: tollgate_global::store::ShareReply, now: Nanos) -> Remote {
     Remote {
         demand: reply.demand_milli as f64 / 1000.0,
         assigned: reply.assigned_milli as f64 / 1000.0,
