@@ -236,6 +236,37 @@ fn compile_rule(
         .as_ref()
         .map(|c| compile_statuses(&c.statuses, &format!("{path}.count.statuses"), errs))
         .unwrap_or_default();
+    check_rule_fits_its_algorithm(rule, &limit, &cost, &count_statuses, path, errs);
+
+    let compiled = CompiledRule {
+        id: format!("{namespace}/{policy_name}/{}", rule.name),
+        name: rule.name.clone(),
+        matches,
+        key,
+        on_missing_key: rule.on_missing_key,
+        limit,
+        cost,
+        scope: rule.scope,
+        accuracy: rule.accuracy,
+        mode: rule.mode,
+        failure_mode: rule.failure_mode.unwrap_or(spec.failure_mode),
+        count_statuses,
+    };
+    check_one_kind_of_request(rule, &compiled, path, errs);
+    compiled
+}
+
+/// What a rule asks of its algorithm and scope that they cannot give: a cost settled at the
+/// response needs a limiter that can carry a debt, Global needs a limiter Redis keeps, and
+/// Strict needs Global.
+fn check_rule_fits_its_algorithm(
+    rule: &PolicyRule,
+    limit: &CompiledLimit,
+    cost: &CompiledCost,
+    count_statuses: &[StatusRange],
+    path: &str,
+    errs: &mut Errors,
+) {
     let settles = cost.response_header.is_some() || !count_statuses.is_empty();
     if settles
         && !matches!(
@@ -277,23 +308,6 @@ fn compile_rule(
             "Strict needs scope: Global (it is one atomic Redis call per request)",
         );
     }
-
-    let compiled = CompiledRule {
-        id: format!("{namespace}/{policy_name}/{}", rule.name),
-        name: rule.name.clone(),
-        matches,
-        key,
-        on_missing_key: rule.on_missing_key,
-        limit,
-        cost,
-        scope: rule.scope,
-        accuracy: rule.accuracy,
-        mode: rule.mode,
-        failure_mode: rule.failure_mode.unwrap_or(spec.failure_mode),
-        count_statuses,
-    };
-    check_one_kind_of_request(rule, &compiled, path, errs);
-    compiled
 }
 
 /// `401` or `"4xx"` into inclusive ranges.
@@ -539,6 +553,30 @@ fn compile_limit(l: &Limit, path: &str, errs: &mut Errors) -> CompiledLimit {
             format!("{} must be between 1 and 1000000000", l.requests),
         );
     }
+    let period_ms = compile_period(l, path, errs);
+    let burst = compile_burst(l, path, errs);
+    let max_delay_ms = compile_max_delay(l, path, errs);
+    if l.algorithm == Algorithm::SlidingLog && l.requests > MAX_SLIDING_LOG_REQUESTS {
+        errs.push(
+            format!("{path}.requests"),
+            format!(
+                "must be at most {MAX_SLIDING_LOG_REQUESTS} for SlidingLog (it stores one timestamp per request); use SlidingWindow for larger limits"
+            ),
+        );
+    }
+    let block_for_ms = compile_block_for(l, path, errs);
+    CompiledLimit {
+        algorithm: l.algorithm,
+        requests: l.requests,
+        period_ms,
+        burst,
+        max_delay_ms,
+        block_for_ms,
+    }
+}
+
+/// The window of a rate, in ms (0 for Concurrency, which has none).
+fn compile_period(l: &Limit, path: &str, errs: &mut Errors) -> u64 {
     let max = Duration::from_secs(MAX_PERIOD_SECS);
     let period_ms = match (&l.period, l.algorithm) {
         (None, Algorithm::Concurrency) => 0,
@@ -574,7 +612,12 @@ fn compile_limit(l: &Limit, path: &str, errs: &mut Errors) -> CompiledLimit {
             "does not apply to Concurrency (it limits requests in flight, not a rate)",
         );
     }
-    let burst = match l.burst {
+    period_ms
+}
+
+/// The bucket size of a TokenBucket; the other algorithms hold `requests`.
+fn compile_burst(l: &Limit, path: &str, errs: &mut Errors) -> u64 {
+    match l.burst {
         Some(_) if l.algorithm != Algorithm::TokenBucket => {
             errs.push(
                 format!("{path}.burst"),
@@ -592,8 +635,12 @@ fn compile_limit(l: &Limit, path: &str, errs: &mut Errors) -> CompiledLimit {
         }
         Some(b) => b,
         None => l.requests,
-    };
-    let max_delay_ms = match &l.max_delay {
+    }
+}
+
+/// How long a LeakyBucket may queue a request, in ms.
+fn compile_max_delay(l: &Limit, path: &str, errs: &mut Errors) -> u64 {
+    match &l.max_delay {
         Some(_) if l.algorithm != Algorithm::LeakyBucket => {
             errs.push(
                 format!("{path}.maxDelay"),
@@ -613,16 +660,12 @@ fn compile_limit(l: &Limit, path: &str, errs: &mut Errors) -> CompiledLimit {
             }
         },
         None => 0,
-    };
-    if l.algorithm == Algorithm::SlidingLog && l.requests > MAX_SLIDING_LOG_REQUESTS {
-        errs.push(
-            format!("{path}.requests"),
-            format!(
-                "must be at most {MAX_SLIDING_LOG_REQUESTS} for SlidingLog (it stores one timestamp per request); use SlidingWindow for larger limits"
-            ),
-        );
     }
-    let block_for_ms = match &l.block_for {
+}
+
+/// How long a key that went over stays refused, in ms (0: no block).
+fn compile_block_for(l: &Limit, path: &str, errs: &mut Errors) -> u64 {
+    match &l.block_for {
         Some(_) if l.algorithm == Algorithm::Concurrency => {
             errs.push(
                 format!("{path}.blockFor"),
@@ -645,14 +688,6 @@ fn compile_limit(l: &Limit, path: &str, errs: &mut Errors) -> CompiledLimit {
             }
         },
         None => 0,
-    };
-    CompiledLimit {
-        algorithm: l.algorithm,
-        requests: l.requests,
-        period_ms,
-        burst,
-        max_delay_ms,
-        block_for_ms,
     }
 }
 

@@ -382,31 +382,7 @@ impl CompiledRule {
             format!("per {}", parts.join(" + "))
         };
         let l = &self.limit;
-        let limit = match l.algorithm {
-            Algorithm::Concurrency => format!("at most {} requests in flight", l.requests),
-            Algorithm::TokenBucket => format!(
-                "{} requests per {} (token bucket, bursts up to {})",
-                l.requests,
-                crate::duration::format(std::time::Duration::from_millis(l.period_ms)),
-                l.burst
-            ),
-            Algorithm::LeakyBucket => format!(
-                "{} requests per {} (leaky bucket: delays requests up to {} to smooth the rate, rejects beyond)",
-                l.requests,
-                crate::duration::format(std::time::Duration::from_millis(l.period_ms)),
-                crate::duration::format(std::time::Duration::from_millis(l.max_delay_ms))
-            ),
-            other => format!(
-                "{} requests per {} ({})",
-                l.requests,
-                crate::duration::format(std::time::Duration::from_millis(l.period_ms)),
-                match other {
-                    Algorithm::SlidingWindow => "sliding window counter",
-                    Algorithm::FixedWindow => "fixed window: up to 2x at window boundaries",
-                    _ => "sliding log, exact",
-                }
-            ),
-        };
+        let limit = self.describe_limit();
         let cost = self.describe_cost();
         let auto = self.describe_auto();
         let scope = match (self.scope, self.accuracy) {
@@ -454,6 +430,37 @@ impl CompiledRule {
             at_the_gateway(&said)
         } else {
             said
+        }
+    }
+
+    /// The limit clause of [`describe_where`](Self::describe_where): the rate or the
+    /// concurrency, and what the algorithm does with a burst.
+    fn describe_limit(&self) -> String {
+        let l = &self.limit;
+        match l.algorithm {
+            Algorithm::Concurrency => format!("at most {} requests in flight", l.requests),
+            Algorithm::TokenBucket => format!(
+                "{} requests per {} (token bucket, bursts up to {})",
+                l.requests,
+                crate::duration::format(std::time::Duration::from_millis(l.period_ms)),
+                l.burst
+            ),
+            Algorithm::LeakyBucket => format!(
+                "{} requests per {} (leaky bucket: delays requests up to {} to smooth the rate, rejects beyond)",
+                l.requests,
+                crate::duration::format(std::time::Duration::from_millis(l.period_ms)),
+                crate::duration::format(std::time::Duration::from_millis(l.max_delay_ms))
+            ),
+            other => format!(
+                "{} requests per {} ({})",
+                l.requests,
+                crate::duration::format(std::time::Duration::from_millis(l.period_ms)),
+                match other {
+                    Algorithm::SlidingWindow => "sliding window counter",
+                    Algorithm::FixedWindow => "fixed window: up to 2x at window boundaries",
+                    _ => "sliding log, exact",
+                }
+            ),
         }
     }
 

@@ -26,7 +26,8 @@
 //! rejection audit lines (`target: tollgate::audit`) are recognised and skipped, since they name
 //! no method or path.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, Read};
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -466,53 +467,12 @@ pub fn replay(
     let mut clock: Option<Nanos> = None;
     let mut line = Vec::new();
     loop {
-        line.clear();
-        let read = (&mut log)
-            .take(MAX_LINE_BYTES as u64 + 1)
-            .read_until(b'\n', &mut line)
-            .map_err(|e| format!("read failed after line {}: {e}", stats.lines))?;
-        if read == 0 {
-            break;
-        }
-        stats.lines += 1;
+        let mut req = match next_line(&mut log, &mut line, &mut stats)? {
+            Line::End => break,
+            Line::Skipped => continue,
+            Line::Request(req) => req,
+        };
         let n = stats.lines;
-        if line.len() > MAX_LINE_BYTES && line.last() != Some(&b'\n') {
-            // Skip the rest of the overlong line.
-            loop {
-                let mut rest = Vec::new();
-                let more = (&mut log)
-                    .take(MAX_LINE_BYTES as u64)
-                    .read_until(b'\n', &mut rest)
-                    .map_err(|e| format!("read failed at line {n}: {e}"))?;
-                if more == 0 || rest.last() == Some(&b'\n') {
-                    break;
-                }
-            }
-            malformed(&mut stats, n, format!("longer than {MAX_LINE_BYTES} bytes"));
-            continue;
-        }
-        let text = match std::str::from_utf8(&line) {
-            Ok(t) => t.trim(),
-            Err(_) => {
-                malformed(&mut stats, n, "not UTF-8".to_string());
-                continue;
-            }
-        };
-        if text.is_empty() {
-            stats.blank += 1;
-            continue;
-        }
-        let mut req = match parse_line(text) {
-            Ok(Parsed::Request(r)) => r,
-            Ok(Parsed::Audit) => {
-                stats.audit_lines += 1;
-                continue;
-            }
-            Err(e) => {
-                malformed(&mut stats, n, e);
-                continue;
-            }
-        };
         stats.first = Some(stats.first.map_or(req.at, |f| f.min(req.at)));
         stats.last = Some(stats.last.map_or(req.at, |l| l.max(req.at)));
         // The limiters expect time not to go backwards: a late line is decided at the latest
@@ -545,6 +505,70 @@ pub fn replay(
     })
 }
 
+/// What one line of the log holds.
+enum Line {
+    End,
+    /// Blank, an audit line, or malformed: counted in the stats, nothing to decide.
+    Skipped,
+    Request(Box<LogRequest>),
+}
+
+/// Reads and parses the next line into `line`, at most [`MAX_LINE_BYTES`] of it: a longer
+/// line is skipped to its end, so one runaway line cannot hold the whole log in memory.
+fn next_line(
+    log: &mut impl BufRead,
+    line: &mut Vec<u8>,
+    stats: &mut LogStats,
+) -> Result<Line, String> {
+    line.clear();
+    let read = log
+        .take(MAX_LINE_BYTES as u64 + 1)
+        .read_until(b'\n', line)
+        .map_err(|e| format!("read failed after line {}: {e}", stats.lines))?;
+    if read == 0 {
+        return Ok(Line::End);
+    }
+    stats.lines += 1;
+    let n = stats.lines;
+    if line.len() > MAX_LINE_BYTES && line.last() != Some(&b'\n') {
+        // Skip the rest of the overlong line.
+        loop {
+            let mut rest = Vec::new();
+            let more = log
+                .take(MAX_LINE_BYTES as u64)
+                .read_until(b'\n', &mut rest)
+                .map_err(|e| format!("read failed at line {n}: {e}"))?;
+            if more == 0 || rest.last() == Some(&b'\n') {
+                break;
+            }
+        }
+        malformed(stats, n, format!("longer than {MAX_LINE_BYTES} bytes"));
+        return Ok(Line::Skipped);
+    }
+    let text = match std::str::from_utf8(line) {
+        Ok(t) => t.trim(),
+        Err(_) => {
+            malformed(stats, n, "not UTF-8".to_string());
+            return Ok(Line::Skipped);
+        }
+    };
+    if text.is_empty() {
+        stats.blank += 1;
+        return Ok(Line::Skipped);
+    }
+    match parse_line(text) {
+        Ok(Parsed::Request(r)) => Ok(Line::Request(r)),
+        Ok(Parsed::Audit) => {
+            stats.audit_lines += 1;
+            Ok(Line::Skipped)
+        }
+        Err(e) => {
+            malformed(stats, n, e);
+            Ok(Line::Skipped)
+        }
+    }
+}
+
 fn malformed(stats: &mut LogStats, line: u64, problem: String) {
     stats.malformed += 1;
     if stats.errors.len() < MAX_LISTED_ERRORS {
@@ -568,33 +592,7 @@ fn parse_line(text: &str) -> Result<Parsed, String> {
     {
         return Ok(Parsed::Audit);
     }
-    let at = match obj.get("ts") {
-        None => return Err("missing \"ts\"".into()),
-        Some(serde_json::Value::String(s)) => parse_rfc3339(s).ok_or_else(|| {
-            format!("ts: {s:?} is not an RFC 3339 time such as 2025-05-01T12:00:00Z")
-        })?,
-        Some(serde_json::Value::Number(n)) => {
-            // Up to the year 2500: nanoseconds since 1970 fit in u64 (584 years).
-            const MAX_MS: u64 = 16_725_225_600_000;
-            let whole = n.as_u64().filter(|ms| *ms < MAX_MS);
-            let fractional = n
-                .as_f64()
-                .filter(|ms| ms.is_finite() && *ms >= 0.0 && *ms < MAX_MS as f64);
-            match (whole, fractional) {
-                (Some(ms), _) => ms * 1_000_000,
-                // Whole milliseconds exactly, the fraction to the nearest nanosecond.
-                (None, Some(ms)) => {
-                    ms.trunc() as Nanos * 1_000_000 + (ms.fract() * 1e6).round() as Nanos
-                }
-                _ => return Err(format!("ts: {n} is not a Unix time in milliseconds")),
-            }
-        }
-        Some(other) => {
-            return Err(format!(
-                "ts: {other} is neither an RFC 3339 string nor Unix milliseconds"
-            ));
-        }
-    };
+    let at = parse_ts(obj.get("ts"))?;
     let method = match obj.get("method") {
         Some(serde_json::Value::String(m)) => Method::from_bytes(m.as_bytes())
             .map_err(|_| format!("method: {m:?} is not an HTTP method"))?,
@@ -661,6 +659,36 @@ fn parse_line(text: &str) -> Result<Parsed, String> {
         status,
         response_headers,
     })))
+}
+
+/// The line's time: an RFC 3339 string, or Unix milliseconds (a fraction kept to the
+/// nanosecond).
+fn parse_ts(ts: Option<&serde_json::Value>) -> Result<Nanos, String> {
+    match ts {
+        None => Err("missing \"ts\"".into()),
+        Some(serde_json::Value::String(s)) => parse_rfc3339(s).ok_or_else(|| {
+            format!("ts: {s:?} is not an RFC 3339 time such as 2025-05-01T12:00:00Z")
+        }),
+        Some(serde_json::Value::Number(n)) => {
+            // Up to the year 2500: nanoseconds since 1970 fit in u64 (584 years).
+            const MAX_MS: u64 = 16_725_225_600_000;
+            let whole = n.as_u64().filter(|ms| *ms < MAX_MS);
+            let fractional = n
+                .as_f64()
+                .filter(|ms| ms.is_finite() && *ms >= 0.0 && *ms < MAX_MS as f64);
+            match (whole, fractional) {
+                (Some(ms), _) => Ok(ms * 1_000_000),
+                // Whole milliseconds exactly, the fraction to the nearest nanosecond.
+                (None, Some(ms)) => {
+                    Ok(ms.trunc() as Nanos * 1_000_000 + (ms.fract() * 1e6).round() as Nanos)
+                }
+                _ => Err(format!("ts: {n} is not a Unix time in milliseconds")),
+            }
+        }
+        Some(other) => Err(format!(
+            "ts: {other} is neither an RFC 3339 string nor Unix milliseconds"
+        )),
+    }
 }
 
 /// A JSON object of header name → string or array of strings, appended to `into`; `field`
@@ -873,41 +901,11 @@ impl Report {
     pub fn to_json(&self, names: &Names, options: &Options) -> serde_json::Value {
         use serde_json::json;
         let log = &self.log;
-        let counts = |r: &RuleStats| json!({"matched": r.matched, "allowed": r.allowed, "rejected": r.rejected});
         let rules: Vec<serde_json::Value> = self
             .new
             .rules
             .iter()
-            .map(|r| {
-                let baseline = self
-                    .baseline
-                    .as_ref()
-                    .and_then(|b| b.rules.iter().find(|x| x.id == r.id))
-                    .map(counts);
-                let top: Vec<serde_json::Value> = r
-                    .top_keys(options.top)
-                    .into_iter()
-                    .map(|(hash, key, count)| {
-                        json!({"hash": format!("{hash:016x}"), "key": key, "rejections": count})
-                    })
-                    .collect();
-                json!({
-                    "id": r.id,
-                    "mode": r.mode.unwrap_or_default(),
-                    "algorithm": r.algorithm,
-                    "description": r.description,
-                    "matched": r.matched,
-                    "allowed": r.allowed,
-                    "rejected": r.rejected,
-                    "delayed": r.delayed,
-                    "max_delay_ms": r.max_delay / 1_000_000,
-                    "bypassed": r.bypassed,
-                    "skipped_missing_key": r.skipped,
-                    "top_rejected_keys": top,
-                    "untracked_rejected_keys": r.untracked,
-                    "baseline": baseline,
-                })
-            })
+            .map(|r| self.rule_json(r, options.top))
             .collect();
         let baseline_only: Vec<serde_json::Value> = self
             .baseline
@@ -915,7 +913,7 @@ impl Report {
             .flat_map(|b| &b.rules)
             .filter(|b| !self.new.rules.iter().any(|r| r.id == b.id))
             .map(|b| {
-                let mut v = counts(b);
+                let mut v = rule_counts_json(b);
                 v["id"] = json!(b.id);
                 v
             })
@@ -959,10 +957,70 @@ impl Report {
         })
     }
 
+    /// One rule of the new policies in [`Report::to_json`], with the baseline's counts for it.
+    fn rule_json(&self, r: &RuleStats, top: usize) -> serde_json::Value {
+        use serde_json::json;
+        let baseline = self
+            .baseline
+            .as_ref()
+            .and_then(|b| b.rules.iter().find(|x| x.id == r.id))
+            .map(rule_counts_json);
+        let top: Vec<serde_json::Value> = r
+            .top_keys(top)
+            .into_iter()
+            .map(|(hash, key, count)| {
+                json!({"hash": format!("{hash:016x}"), "key": key, "rejections": count})
+            })
+            .collect();
+        json!({
+            "id": r.id,
+            "mode": r.mode.unwrap_or_default(),
+            "algorithm": r.algorithm,
+            "description": r.description,
+            "matched": r.matched,
+            "allowed": r.allowed,
+            "rejected": r.rejected,
+            "delayed": r.delayed,
+            "max_delay_ms": r.max_delay / 1_000_000,
+            "bypassed": r.bypassed,
+            "skipped_missing_key": r.skipped,
+            "top_rejected_keys": top,
+            "untracked_rejected_keys": r.untracked,
+            "baseline": baseline,
+        })
+    }
+
     /// The human-readable report.
     pub fn render(&self, names: &Names, options: &Options) -> String {
-        use std::fmt::Write as _;
         let mut o = String::new();
+        self.render_log(&mut o, names);
+        self.render_totals(&mut o);
+        let hashed_note = if options.raw_keys {
+            ""
+        } else {
+            " (hashed; --raw-keys shows them)"
+        };
+        for r in &self.new.rules {
+            self.render_rule(&mut o, r, options.top, hashed_note);
+        }
+        self.render_baseline_only(&mut o);
+        let concurrency = self
+            .new
+            .rules
+            .iter()
+            .any(|r| r.algorithm == Some(Algorithm::Concurrency));
+        if concurrency {
+            let _ = writeln!(
+                o,
+                "note: concurrency rules hold a request's permits for its duration_ms (0 when the log has none)"
+            );
+        }
+        o
+    }
+
+    /// What was replayed: the files, the log's lines and time span, and what was skipped and
+    /// why, so a surprising total can be traced to the log before the policies.
+    fn render_log(&self, o: &mut String, names: &Names) {
         let _ = writeln!(o, "replay of {} against {}", names.log, names.policies);
         if let Some(b) = &names.baseline {
             let _ = writeln!(o, "baseline: {b}");
@@ -1014,6 +1072,10 @@ impl Report {
                 let _ = writeln!(o, "  line {line}: {problem}");
             }
         }
+    }
+
+    /// The totals of the new policies, and how they differ from the baseline's.
+    fn render_totals(&self, o: &mut String) {
         let admitted = self.requests - self.new.rejected;
         let _ = writeln!(
             o,
@@ -1035,115 +1097,116 @@ impl Report {
                 self.no_longer_rejected
             );
         }
-        let hashed_note = if options.raw_keys {
-            ""
-        } else {
-            " (hashed; --raw-keys shows them)"
+    }
+
+    /// One rule of the new policies: its counts, the baseline's for the same rule, and the
+    /// keys it would reject most.
+    fn render_rule(&self, o: &mut String, r: &RuleStats, top: usize, hashed_note: &str) {
+        let mode = match r.mode {
+            Some(Mode::Shadow) => "Shadow",
+            _ => "Enforce",
         };
-        let mut seen_in_baseline = HashSet::new();
-        for r in &self.new.rules {
-            let mode = match r.mode {
-                Some(Mode::Shadow) => "Shadow",
-                _ => "Enforce",
-            };
-            let _ = writeln!(o, "rule {} [{mode}]", r.id);
-            let _ = writeln!(o, "  {}", r.description);
-            let shadow_note = if r.mode == Some(Mode::Shadow) {
-                "; Shadow: counted, not rejected"
-            } else {
-                ""
-            };
+        let _ = writeln!(o, "rule {} [{mode}]", r.id);
+        let _ = writeln!(o, "  {}", r.description);
+        let shadow_note = if r.mode == Some(Mode::Shadow) {
+            "; Shadow: counted, not rejected"
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            o,
+            "  matched {}, would-allow {}, would-reject {} ({}{shadow_note})",
+            r.matched,
+            r.allowed,
+            r.rejected,
+            percent(r.rejected, r.matched)
+        );
+        if let Some(b) = self
+            .baseline
+            .as_ref()
+            .and_then(|b| b.rules.iter().find(|x| x.id == r.id))
+        {
             let _ = writeln!(
                 o,
-                "  matched {}, would-allow {}, would-reject {} ({}{shadow_note})",
-                r.matched,
-                r.allowed,
-                r.rejected,
-                percent(r.rejected, r.matched)
+                "  baseline: matched {}, would-allow {}, would-reject {} (would-reject {})",
+                b.matched,
+                b.allowed,
+                b.rejected,
+                signed(i128::from(r.rejected) - i128::from(b.rejected))
             );
-            if let Some(b) = self
-                .baseline
-                .as_ref()
-                .and_then(|b| b.rules.iter().find(|x| x.id == r.id))
-            {
-                seen_in_baseline.insert(b.id.as_str());
-                let _ = writeln!(
-                    o,
-                    "  baseline: matched {}, would-allow {}, would-reject {} (would-reject {})",
-                    b.matched,
-                    b.allowed,
-                    b.rejected,
-                    signed(i128::from(r.rejected) - i128::from(b.rejected))
-                );
-            } else if self.baseline.is_some() {
-                let _ = writeln!(o, "  baseline: (not in the baseline)");
-            }
-            if r.bypassed > 0 || r.skipped > 0 {
-                let _ = writeln!(
-                    o,
-                    "  exempt: {} bypassed, {} without a key part (onMissingKey: Skip)",
-                    r.bypassed, r.skipped
-                );
-            }
-            if r.delayed > 0 {
-                let _ = writeln!(
-                    o,
-                    "  delayed: {} (longest {} ms)",
-                    r.delayed,
-                    r.max_delay / 1_000_000
-                );
-            }
-            let top = r.top_keys(options.top);
-            if !top.is_empty() {
-                let _ = writeln!(o, "  top rejected keys{hashed_note}:");
-                for (hash, key, count) in top {
-                    match key {
-                        Some(k) => {
-                            let _ = writeln!(o, "    {k} ({hash:016x}): {count}");
-                        }
-                        None => {
-                            let _ = writeln!(o, "    {hash:016x}: {count}");
-                        }
-                    }
-                }
-                if r.untracked > 0 {
-                    let _ = writeln!(
-                        o,
-                        "    (rejections of {} more distinct keys not tracked)",
-                        r.untracked
-                    );
-                }
-            }
+        } else if self.baseline.is_some() {
+            let _ = writeln!(o, "  baseline: (not in the baseline)");
         }
-        if let Some(b) = &self.baseline {
-            let removed: Vec<&RuleStats> = b
-                .rules
-                .iter()
-                .filter(|r| !seen_in_baseline.contains(r.id.as_str()))
-                .collect();
-            if !removed.is_empty() {
-                let _ = writeln!(o, "rules only in the baseline:");
-                for r in removed {
-                    let _ = writeln!(
-                        o,
-                        "  {}: matched {}, would-allow {}, would-reject {}",
-                        r.id, r.matched, r.allowed, r.rejected
-                    );
-                }
-            }
+        if r.bypassed > 0 || r.skipped > 0 {
+            let _ = writeln!(
+                o,
+                "  exempt: {} bypassed, {} without a key part (onMissingKey: Skip)",
+                r.bypassed, r.skipped
+            );
         }
-        let concurrency = self
-            .new
+        if r.delayed > 0 {
+            let _ = writeln!(
+                o,
+                "  delayed: {} (longest {} ms)",
+                r.delayed,
+                r.max_delay / 1_000_000
+            );
+        }
+        render_top_keys(o, r, top, hashed_note);
+    }
+
+    /// Rules the baseline has and the new policies do not: what removing them changes.
+    fn render_baseline_only(&self, o: &mut String) {
+        let Some(b) = &self.baseline else {
+            return;
+        };
+        let removed: Vec<&RuleStats> = b
             .rules
             .iter()
-            .any(|r| r.algorithm == Some(Algorithm::Concurrency));
-        if concurrency {
-            let _ = writeln!(
-                o,
-                "note: concurrency rules hold a request's permits for its duration_ms (0 when the log has none)"
-            );
+            .filter(|b| !self.new.rules.iter().any(|r| r.id == b.id))
+            .collect();
+        if !removed.is_empty() {
+            let _ = writeln!(o, "rules only in the baseline:");
+            for r in removed {
+                let _ = writeln!(
+                    o,
+                    "  {}: matched {}, would-allow {}, would-reject {}",
+                    r.id, r.matched, r.allowed, r.rejected
+                );
+            }
         }
-        o
+    }
+}
+
+/// A rule's counts, as the baseline's side of a rule and as a rule only the baseline has.
+fn rule_counts_json(r: &RuleStats) -> serde_json::Value {
+    serde_json::json!({"matched": r.matched, "allowed": r.allowed, "rejected": r.rejected})
+}
+
+/// The keys a rule would reject most, raw when the options allow it, then how many more were
+/// not tracked.
+fn render_top_keys(o: &mut String, r: &RuleStats, top: usize, hashed_note: &str) {
+    let top = r.top_keys(top);
+    if top.is_empty() {
+        return;
+    }
+    let _ = writeln!(o, "  top rejected keys{hashed_note}:");
+    for (hash, key, count) in top {
+        match key {
+            Some(k) => {
+                let _ = writeln!(o, "    {k} ({hash:016x}): {count}");
+            }
+            None => {
+                let _ = writeln!(o, "    {hash:016x}: {count}");
+            }
+        }
+    }
+    if r.untracked > 0 {
+        let _ = writeln!(
+            o,
+            "    (rejections of {} more distinct keys not tracked)",
+            r.untracked
+        );
     }
 }
 

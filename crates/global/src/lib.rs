@@ -60,6 +60,10 @@ pub struct GlobalMetrics {
 }
 
 impl GlobalMetrics {
+    #[allow(
+        clippy::too_many_lines,
+        reason = "a flat table of the global limiter's metrics: name, help and handle, one per entry"
+    )]
     pub fn register(registry: &mut Registry) -> GlobalMetrics {
         let m = GlobalMetrics {
             lease_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 16)),
