@@ -1,6 +1,7 @@
 //! The tollgate contract: the `RateLimitPolicy` API, the compiled-rule wire format shared by the
 //! controller and the sidecar, and the one compile function that validates policies for all of
-//! them. Deliberately free of async runtimes and clients.
+//! them, the answer of a sidecar's `/debug/why` as the sidecar writes it and `kubectl tollgate why`
+//! reads it. Deliberately free of async runtimes and clients.
 
 pub mod check;
 pub mod compile;
@@ -10,6 +11,7 @@ pub mod duration;
 pub mod files;
 pub mod policy;
 pub mod stream;
+pub mod why;
 
 pub use compile::{CompileErrors, FieldError, compile, compile_parts};
 pub use compiled::{CompiledPolicy, CompiledRule, WIRE_VERSION};

@@ -4,14 +4,18 @@
 //! it), all read without charging anything. `kubectl tollgate why` asks it
 //! through the API server's port-forward. The steps are the decision core's own
 //! ([`RuleSet::applies`]), so the explanation cannot drift from what `decide` does; keys appear as
-//! their identity (`keyHash`), never raw.
+//! their identity (`keyHash`), never raw. The answer's shape is [`WhyAnswer`], shared with the
+//! plugin through `tollgate_crd::why`.
 
 use std::net::{IpAddr, SocketAddr};
 
 use http::request::Parts;
 use http::{HeaderName, HeaderValue, Method, Request, Uri};
-use serde_json::{Value, json};
+use serde_json::Value;
 use tollgate_crd::compiled::{Algorithm, GlobalBackend, MissingKey};
+use tollgate_crd::why::{
+    AskedRequest, COUNTED, Decision, ExplainedRule, KeyState, Outcome, WhyAnswer, Would,
+};
 use tollgate_limiter::Nanos;
 
 use crate::keys::{self, PartValue};
@@ -35,6 +39,12 @@ const REDIS_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2
 
 /// The explanation as JSON, or why the query is malformed (the admin server answers 400).
 pub async fn why(shared: &Shared, query: Option<&str>) -> Result<Value, String> {
+    let answer = explain(shared, query).await?;
+    serde_json::to_value(&answer).map_err(|e| format!("encoding the answer: {e}"))
+}
+
+/// The explanation, or why the query is malformed.
+pub async fn explain(shared: &Shared, query: Option<&str>) -> Result<WhyAnswer, String> {
     let req = parse_query(query)?;
     let rules = shared.rules.load_full();
     let now = tollgate_limiter::Clock::now(&shared.clock);
@@ -47,23 +57,23 @@ pub async fn why(shared: &Shared, query: Option<&str>) -> Result<Value, String> 
     let mut explained = Vec::with_capacity(rules.rules.len());
     for ri in 0..rules.rules.len() {
         let mut entry = explain_rule(shared, &rules, ri, &req, backend, now, &mut key);
-        if entry["outcome"] == COUNTED {
-            let cost = entry["cost"].as_u64().unwrap_or(1);
-            entry["would"] = would(shared, &rules.rules[ri], &key, cost, now, req.read_redis).await;
+        if let Some(cost) = entry.cost {
+            let w = would(shared, &rules.rules[ri], &key, cost, now, req.read_redis).await;
+            entry.would = Some(w);
         }
         explained.push(entry);
     }
-    Ok(json!({
-        "decision": decision(&explained),
-        "version": rules.version,
-        "request": {
-            "method": req.parts.method.as_str(),
-            "path": req.parts.uri.to_string(),
-            "headers": req.header_names,
-            "clientIp": req.peer.ip().to_string(),
+    Ok(WhyAnswer {
+        decision: decision(&explained),
+        version: rules.version,
+        request: AskedRequest {
+            method: req.parts.method.as_str().to_string(),
+            path: req.parts.uri.to_string(),
+            headers: req.header_names,
+            client_ip: req.peer.ip().to_string(),
         },
-        "rules": explained,
-    }))
+        rules: explained,
+    })
 }
 
 fn parse_query(query: Option<&str>) -> Result<WhyRequest, String> {
@@ -139,20 +149,10 @@ fn explain_rule(
     backend: GlobalBackend,
     now: Nanos,
     key: &mut Vec<u8>,
-) -> Value {
+) -> ExplainedRule {
     let active = &rules.rules[ri];
     let rule = &active.rule;
-    let mut entry = json!({
-        "policy": rules.policies[active.policy].id,
-        "rule": rule.name,
-        "mode": rule.mode,
-        "scope": rule.scope,
-        "algorithm": rule.limit.algorithm,
-        "describe": rule.describe_where(backend),
-    });
     let applies = rules.applies(ri, &req.parts, &req.peer, key);
-    entry["matches"] =
-        (applies != Applies::NotMatched && applies != Applies::BypassedNetwork).into();
     let outcome = match applies {
         Applies::BypassedNetwork => {
             "bypassed: the client address is in the policy's bypass networks"
@@ -166,7 +166,17 @@ fn explain_rule(
         }
         Applies::Counted => COUNTED,
     };
-    entry["outcome"] = outcome.into();
+    let mut entry = ExplainedRule {
+        policy: rules.policies[active.policy].id.clone(),
+        rule: rule.name.clone(),
+        mode: spelled(serde_json::to_value(rule.mode)),
+        scope: spelled(serde_json::to_value(rule.scope)),
+        algorithm: spelled(serde_json::to_value(rule.limit.algorithm)),
+        describe: rule.describe_where(backend),
+        matches: applies != Applies::NotMatched && applies != Applies::BypassedNetwork,
+        outcome: outcome.to_string(),
+        ..ExplainedRule::default()
+    };
     if applies != Applies::Counted {
         return entry;
     }
@@ -176,16 +186,22 @@ fn explain_rule(
             .iter()
             .find(|s| matches!(keys::extract(s, &req.parts, &req.peer), PartValue::Missing))
     {
-        entry["missingKeyPart"] = serde_json::to_value(source).unwrap_or_default();
+        entry.missing_key_part = serde_json::to_value(source).ok();
     }
-    entry["keyHash"] = crate::identity::display(shared.audit.key_identity(key)).into();
-    entry["cost"] = request_cost(&rule.cost, &req.parts).into();
-    entry["state"] = key_state(shared, active, key, now);
+    entry.key_hash = Some(crate::identity::display(shared.audit.key_identity(key)));
+    entry.cost = Some(request_cost(&rule.cost, &req.parts));
+    entry.state = Some(key_state(shared, active, key, now));
     entry
 }
 
-/// A rule that counts the request under its key; `would` says what its balance does with it.
-const COUNTED: &str = "counted";
+/// A policy value (mode, scope, algorithm) as the policy spells it: the answer carries it as a
+/// string so a plugin older than the sidecar still reads a value it does not know.
+fn spelled(value: serde_json::Result<Value>) -> String {
+    match value {
+        Ok(Value::String(s)) => s,
+        _ => String::new(),
+    }
+}
 
 /// What the rule would do with the request now, from the balance it is decided by: this
 /// sidecar's bucket for a Local rule, the lease held here or (with `read_redis`) the bucket in
@@ -197,109 +213,124 @@ async fn would(
     cost: u64,
     now: Nanos,
     read_redis: bool,
-) -> Value {
+) -> Would {
     let hash = shared.audit.identity().hasher.hash(key);
     if let Some(wait) = active.blocks.as_ref().and_then(|b| b.remaining(hash, now)) {
-        return outcome(
-            "rejected",
-            "the key is blocked (blockFor)",
-            json!({"retryAfterMs": wait / 1_000_000}),
-        );
+        return Would {
+            retry_after_ms: Some(wait / 1_000_000),
+            ..Would::new(Outcome::Rejected, "the key is blocked (blockFor)")
+        };
     }
     let mut w = match &active.global {
         Some(global) => would_global(global, key, cost, read_redis).await,
         None => would_local(active, key, cost, now),
     };
-    if active.rule.mode == tollgate_crd::compiled::Mode::Shadow && w["outcome"] == "rejected" {
-        w["outcome"] = "admitted".into();
-        w["shadowRejected"] = true.into();
-        w["why"] = "Shadow mode: counted as a rejection, admitted".into();
+    if active.rule.mode == tollgate_crd::compiled::Mode::Shadow && w.outcome == Outcome::Rejected {
+        w.outcome = Outcome::Admitted;
+        w.shadow_rejected = true;
+        w.why = "Shadow mode: counted as a rejection, admitted".into();
     }
     w
 }
 
-fn outcome(what: &str, why: &str, mut details: Value) -> Value {
-    details["outcome"] = what.into();
-    details["why"] = why.into();
-    details
+/// An outcome of a balance read at `source`.
+fn balance_at(source: &str, outcome: Outcome, why: &str) -> Would {
+    Would {
+        source: Some(source.into()),
+        ..Would::new(outcome, why)
+    }
 }
 
-fn would_local(active: &ActiveRule, key: &[u8], cost: u64, now: Nanos) -> Value {
+fn would_local(active: &ActiveRule, key: &[u8], cost: u64, now: Nanos) -> Would {
     let before = active.limiter.preview(key, now, 0);
     let d = active.limiter.preview(key, now, cost);
-    let details = json!({"remaining": before.remaining, "limit": d.limit, "source": "local"});
-    match (d.allowed, d.delay) {
-        (true, 0) => outcome("admitted", "this sidecar's bucket has room", details),
-        (true, delay) => {
-            let mut v = outcome("delayed", "shaped: held before it is forwarded", details);
-            v["delayMs"] = (delay / 1_000_000).into();
-            v
-        }
-        (false, _) => {
-            let mut v = outcome(
-                "rejected",
+    let mut w = match (d.allowed, d.delay) {
+        (true, 0) => balance_at("local", Outcome::Admitted, "this sidecar's bucket has room"),
+        (true, delay) => Would {
+            delay_ms: Some(delay / 1_000_000),
+            ..balance_at(
+                "local",
+                Outcome::Delayed,
+                "shaped: held before it is forwarded",
+            )
+        },
+        (false, _) => Would {
+            retry_after_ms: Some(d.retry_after / 1_000_000),
+            ..balance_at(
+                "local",
+                Outcome::Rejected,
                 "this sidecar's bucket is empty for this cost",
-                details,
-            );
-            v["retryAfterMs"] = (d.retry_after / 1_000_000).into();
-            v
-        }
-    }
+            )
+        },
+    };
+    w.remaining = Some(before.remaining);
+    w.limit = Some(d.limit);
+    w
 }
 
-async fn would_global(global: &GlobalRule, key: &[u8], cost: u64, read_redis: bool) -> Value {
+async fn would_global(global: &GlobalRule, key: &[u8], cost: u64, read_redis: bool) -> Would {
     let here = global.peek_lease(key).map_or(0, |(here, _)| here);
     if here >= cost && !global.exact() {
-        let details = json!({"remaining": here, "source": "lease"});
-        return outcome(
-            "admitted",
-            "this sidecar's lease for the key covers the cost",
-            details,
-        );
+        return Would {
+            remaining: Some(here),
+            ..balance_at(
+                "lease",
+                Outcome::Admitted,
+                "this sidecar's lease for the key covers the cost",
+            )
+        };
     }
     if !read_redis {
-        return outcome(
-            "unknown",
-            "decided by the bucket in Redis, not read: ask with balance=redis (kubectl tollgate why --balance redis)",
-            json!({"leasedHere": here, "source": "lease"}),
-        );
+        return Would {
+            leased_here: Some(here),
+            ..balance_at(
+                "lease",
+                Outcome::Unknown,
+                "decided by the bucket in Redis, not read: ask with balance=redis (kubectl tollgate why --balance redis)",
+            )
+        };
     }
     match global.peek_remote(key, REDIS_READ_TIMEOUT).await {
-        Ok(r) if r.blocked_ms > 0 => outcome(
-            "rejected",
-            "the key is blocked (blockFor) at every sidecar",
-            json!({"retryAfterMs": r.blocked_ms, "source": "redis"}),
-        ),
+        Ok(r) if r.blocked_ms > 0 => Would {
+            retry_after_ms: Some(r.blocked_ms),
+            ..balance_at(
+                "redis",
+                Outcome::Rejected,
+                "the key is blocked (blockFor) at every sidecar",
+            )
+        },
         Ok(r) => {
-            let details = json!({"remaining": r.remaining, "leasedHere": here, "source": "redis"});
-            if r.remaining.saturating_add(here) >= cost {
-                outcome("admitted", "the bucket in Redis has room", details)
+            let mut w = if r.remaining.saturating_add(here) >= cost {
+                balance_at("redis", Outcome::Admitted, "the bucket in Redis has room")
             } else {
-                let mut v = outcome(
-                    "rejected",
-                    "the bucket in Redis is empty for this cost",
-                    details,
-                );
-                v["retryAfterMs"] = r.reset_ms.min(r.retry_after_ms.max(r.reset_ms)).into();
-                v
-            }
+                Would {
+                    retry_after_ms: Some(r.reset_ms.min(r.retry_after_ms.max(r.reset_ms))),
+                    ..balance_at(
+                        "redis",
+                        Outcome::Rejected,
+                        "the bucket in Redis is empty for this cost",
+                    )
+                }
+            };
+            w.remaining = Some(r.remaining);
+            w.leased_here = Some(here);
+            w
         }
         Err(e) => {
             let (what, why) = match global.failure_mode {
                 tollgate_crd::compiled::FailureMode::Closed => (
-                    "unavailable",
+                    Outcome::Unavailable,
                     "Redis did not answer and the rule fails closed (503)",
                 ),
                 tollgate_crd::compiled::FailureMode::Open => (
-                    "unknown",
+                    Outcome::Unknown,
                     "Redis did not answer: the rule fails open, to this sidecar's share of the limit",
                 ),
             };
-            outcome(
-                what,
-                why,
-                json!({"error": e.to_string(), "source": "redis"}),
-            )
+            Would {
+                error: Some(e.to_string()),
+                ..balance_at("redis", what, why)
+            }
         }
     }
 }
@@ -307,20 +338,28 @@ async fn would_global(global: &GlobalRule, key: &[u8], cost: u64, read_redis: bo
 /// The request's fate over all rules, in the order the decision checks them: the first
 /// enforcing rule that rejects (or cannot decide) settles it; otherwise it is delayed if a rule
 /// shapes it, unknown if a Global rule's balance was not read, and admitted.
-fn decision(explained: &[Value]) -> Value {
-    let counted = explained.iter().filter(|e| e["outcome"] == COUNTED);
-    let mut result = json!({"outcome": "admitted"});
-    for e in counted {
-        let w = e["would"]["outcome"].as_str().unwrap_or("unknown");
-        let rank = |o: &str| match o {
-            "rejected" | "unavailable" => 3,
-            "unknown" => 2,
-            "delayed" => 1,
-            _ => 0,
-        };
-        let held = result["outcome"].as_str().unwrap_or("admitted");
-        if rank(w) > rank(held) {
-            result = json!({"outcome": w, "rule": e["rule"], "policy": e["policy"]});
+fn decision(explained: &[ExplainedRule]) -> Decision {
+    let rank = |o: Outcome| match o {
+        Outcome::Rejected | Outcome::Unavailable => 3,
+        Outcome::Unknown => 2,
+        Outcome::Delayed => 1,
+        Outcome::Admitted => 0,
+    };
+    let mut result = Decision {
+        outcome: Outcome::Admitted,
+        rule: None,
+        policy: None,
+    };
+    let counted = explained
+        .iter()
+        .filter_map(|e| e.would.as_ref().map(|w| (e, w.outcome)));
+    for (e, w) in counted {
+        if rank(w) > rank(result.outcome) {
+            result = Decision {
+                outcome: w,
+                rule: Some(e.rule.clone()),
+                policy: Some(e.policy.clone()),
+            };
             if rank(w) == 3 {
                 break;
             }
@@ -331,59 +370,66 @@ fn decision(explained: &[Value]) -> Value {
 
 /// The key's state in this pod: a `blockFor` block, the lease of a Global rule, or the local
 /// limiter's counter.
-fn key_state(shared: &Shared, active: &ActiveRule, key: &[u8], now: Nanos) -> Value {
+fn key_state(shared: &Shared, active: &ActiveRule, key: &[u8], now: Nanos) -> KeyState {
     let blocked = active
         .blocks
         .as_ref()
         .and_then(|b| b.remaining(shared.audit.identity().hasher.hash(key), now));
     if let Some(wait) = blocked {
-        return json!({ "tracked": true, "blockedForMs": wait / 1_000_000 });
+        return KeyState {
+            tracked: true,
+            blocked_for_ms: Some(wait / 1_000_000),
+            ..KeyState::default()
+        };
     }
     if let Some(global) = &active.global {
         return lease_state(global, key);
     }
     match active.limiter.peek(key, now) {
-        Some(d) => {
-            let mut s = json!({
-                "tracked": true,
-                "limit": d.limit,
-                "remaining": d.remaining,
-                "resetMs": d.reset / 1_000_000,
-            });
-            if active.rule.limit.algorithm == Algorithm::Concurrency {
-                s["inFlight"] = d.limit.saturating_sub(d.remaining).into();
-            }
-            s
-        }
-        None => json!({
-            "tracked": false,
-            "note": "no state for this key in this pod: its next request starts from the full limit",
-        }),
+        Some(d) => KeyState {
+            tracked: true,
+            limit: Some(d.limit),
+            remaining: Some(d.remaining),
+            reset_ms: Some(d.reset / 1_000_000),
+            in_flight: (active.rule.limit.algorithm == Algorithm::Concurrency)
+                .then(|| d.limit.saturating_sub(d.remaining)),
+            ..KeyState::default()
+        },
+        None => KeyState {
+            tracked: false,
+            note: Some(
+                "no state for this key in this pod: its next request starts from the full limit"
+                    .into(),
+            ),
+            ..KeyState::default()
+        },
     }
 }
 
-fn lease_state(global: &GlobalRule, key: &[u8]) -> Value {
+fn lease_state(global: &GlobalRule, key: &[u8]) -> KeyState {
     let (mode, mode_why) = global.mode();
-    let mut s = json!({
-        "tracked": false,
-        "store": "redis",
-        "globalMode": mode,
-        "globalModeWhy": mode_why,
-        "liveSidecars": global.live_sidecars(),
-    });
+    let mut s = KeyState {
+        tracked: false,
+        store: Some("redis".into()),
+        global_mode: Some(mode.into()),
+        global_mode_why: Some(mode_why),
+        live_sidecars: Some(global.live_sidecars()),
+        ..KeyState::default()
+    };
     match global.peek_lease(key) {
         Some((here, remaining)) => {
-            s["tracked"] = true.into();
-            s["leasedHere"] = here.into();
+            s.tracked = true;
+            s.leased_here = Some(here);
             // u64::MAX: Redis has not answered for this key yet.
             if remaining != u64::MAX {
-                s["bucketRemaining"] = remaining.into();
+                s.bucket_remaining = Some(remaining);
             }
         }
         None => {
-            s["note"] =
+            s.note = Some(
                 "this pod holds no lease for the key: its balance is in Redis, not read here"
-                    .into();
+                    .into(),
+            );
         }
     }
     s

@@ -7,6 +7,7 @@ use http_body_util::BodyExt as _;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use kube::api::Api;
 use serde_json::Value;
+use tollgate_crd::why::{Decision, ExplainedRule, KeyState, Outcome, WhyAnswer, Would};
 
 use crate::cli::{Balance, Output, WhyArgs};
 use crate::client::{Kube, describe};
@@ -37,12 +38,16 @@ pub async fn run(kube: &Kube, args: &WhyArgs) -> anyhow::Result<()> {
         anyhow::bail!("pod {id} is {phase:?}, not Running: its sidecar cannot be asked");
     }
     let query = query(args);
-    let answer = ask(&pods, &args.pod, port, &format!("/debug/why?{query}"))
+    let raw = ask(&pods, &args.pod, port, &format!("/debug/why?{query}"))
         .await
         .with_context(|| {
             format!("asking the sidecar (container {container}, port {port}) of pod {id}")
         })?;
-    if structured(&answer, args.output)? {
+    let answer: WhyAnswer = serde_json::from_value(raw.clone()).with_context(|| {
+        format!("the sidecar of pod {id} answered /debug/why in a shape this plugin does not read")
+    })?;
+    // -o json/yaml print the sidecar's answer whole, fields a newer sidecar adds included.
+    if structured(&raw, args.output)? {
         return Ok(());
     }
     print!(
@@ -168,79 +173,69 @@ async fn ask(pods: &Api<Pod>, pod: &str, port: u16, path: &str) -> anyhow::Resul
 }
 
 /// The table: one line per rule.
-fn render(pod: &str, answer: &Value, wide: bool) -> String {
-    let req = &answer["request"];
-    let headers: Vec<&str> = req["headers"]
-        .as_array()
-        .map(|h| h.iter().filter_map(Value::as_str).collect())
-        .unwrap_or_default();
+fn render(pod: &str, answer: &WhyAnswer, wide: bool) -> String {
+    let req = &answer.request;
     let mut out = format!(
         "pod {pod}: rules version {}; request {} {}{}, client IP {}\n",
-        answer["version"],
-        req["method"].as_str().unwrap_or("?"),
-        req["path"].as_str().unwrap_or("?"),
-        if headers.is_empty() {
+        answer.version,
+        req.method,
+        req.path,
+        if req.headers.is_empty() {
             String::new()
         } else {
-            format!(" (headers {})", headers.join(", "))
+            format!(" (headers {})", req.headers.join(", "))
         },
-        req["clientIp"].as_str().unwrap_or("?"),
+        req.client_ip,
     );
-    let rules = answer["rules"].as_array().cloned().unwrap_or_default();
-    if rules.is_empty() {
+    if answer.rules.is_empty() {
         out.push_str("No rules in force in this sidecar: nothing is limited.\n");
         return out;
     }
-    out.push_str(&verdict(&answer["decision"]));
+    out.push_str(&verdict(&answer.decision));
     let mut columns = vec![
         "POLICY", "RULE", "MATCH", "OUTCOME", "WOULD", "MODE", "KEY-HASH", "STATE",
     ];
     if wide {
         columns.extend(["SCOPE", "RULE-DOES", "DETAIL"]);
     }
-    let rows: Vec<Vec<String>> = rules
-        .iter()
-        .map(|r| {
-            let s = |v: &Value| v.as_str().unwrap_or("-").to_string();
-            let outcome = r["outcome"].as_str().unwrap_or("-");
-            let short = outcome.split(':').next().unwrap_or(outcome).to_string();
-            let mut row = vec![
-                s(&r["policy"]),
-                s(&r["rule"]),
-                if r["matches"].as_bool() == Some(true) {
-                    "yes".into()
-                } else {
-                    "no".into()
-                },
-                short,
-                would(&r["would"]),
-                s(&r["mode"]),
-                s(&r["keyHash"]),
-                state(&r["state"]),
-            ];
-            if wide {
-                row.extend([s(&r["scope"]), s(&r["describe"]), outcome.to_string()]);
-            }
-            row
-        })
-        .collect();
+    let rows: Vec<Vec<String>> = answer.rules.iter().map(|r| row(r, wide)).collect();
     out.push_str(&table(&columns, &rows, false));
     out
 }
 
+/// One rule's line of the table.
+fn row(r: &ExplainedRule, wide: bool) -> Vec<String> {
+    let s = |v: &str| if v.is_empty() { "-" } else { v }.to_string();
+    let short = r.outcome.split(':').next().unwrap_or(&r.outcome);
+    let mut row = vec![
+        s(&r.policy),
+        s(&r.rule),
+        if r.matches { "yes" } else { "no" }.into(),
+        s(short),
+        would(r.would.as_ref()),
+        s(&r.mode),
+        s(r.key_hash.as_deref().unwrap_or_default()),
+        state(r.state.as_ref()),
+    ];
+    if wide {
+        row.extend([s(&r.scope), s(&r.describe), s(&r.outcome)]);
+    }
+    row
+}
+
 /// The request's fate over all rules, in one line.
-fn verdict(d: &Value) -> String {
-    let rule = d["rule"].as_str().unwrap_or("?");
-    match d["outcome"].as_str().unwrap_or("unknown") {
-        "admitted" => "This request would be admitted now.\n".into(),
-        "delayed" => format!("This request would be delayed (shaped) by rule {rule}.\n"),
-        "rejected" => format!("This request would be rejected (429) by rule {rule}.\n"),
-        "unavailable" => {
+fn verdict(d: &Decision) -> String {
+    let rule = d.rule.as_deref().unwrap_or("?");
+    match d.outcome {
+        Outcome::Admitted => "This request would be admitted now.\n".into(),
+        Outcome::Delayed => format!("This request would be delayed (shaped) by rule {rule}.\n"),
+        Outcome::Rejected => format!("This request would be rejected (429) by rule {rule}.\n"),
+        Outcome::Unavailable => {
             format!(
                 "This request would be refused (503) by rule {rule}: its Redis did not answer.\n"
             )
         }
-        _ => format!(
+        Outcome::Unknown => format!(
             "Unknown whether this request would be admitted: rule {rule} is decided by Redis \
              (add --balance redis to read it).\n"
         ),
@@ -248,16 +243,16 @@ fn verdict(d: &Value) -> String {
 }
 
 /// What one rule would do, in words: `admitted (4 left)`, `rejected (retry in 12s)`.
-fn would(w: &Value) -> String {
-    let Some(outcome) = w["outcome"].as_str() else {
+fn would(w: Option<&Would>) -> String {
+    let Some(w) = w else {
         return "-".into();
     };
-    let n = |k: &str| w[k].as_u64();
+    let outcome = w.outcome.as_str();
     let secs = |ms: u64| crate::output::age(ms.div_ceil(1000) as i64);
-    match (outcome, n("remaining"), n("retryAfterMs"), n("delayMs")) {
-        ("rejected", _, Some(ms), _) => format!("rejected (retry in {})", secs(ms)),
-        ("delayed", _, _, Some(ms)) => format!("delayed ({ms}ms)"),
-        (_, Some(left), _, _) if w["shadowRejected"] == true => {
+    match (w.outcome, w.remaining, w.retry_after_ms, w.delay_ms) {
+        (Outcome::Rejected, _, Some(ms), _) => format!("rejected (retry in {})", secs(ms)),
+        (Outcome::Delayed, _, _, Some(ms)) => format!("delayed ({ms}ms)"),
+        (_, Some(left), _, _) if w.shadow_rejected => {
             format!("{outcome} (shadow, {left} left)")
         }
         (_, Some(left), _, _) => format!("{outcome} ({left} left)"),
@@ -266,20 +261,19 @@ fn would(w: &Value) -> String {
 }
 
 /// A key's state in words.
-fn state(s: &Value) -> String {
-    if s.is_null() {
+fn state(s: Option<&KeyState>) -> String {
+    let Some(s) = s else {
         return "-".into();
-    }
-    let n = |k: &str| s[k].as_u64();
-    if let Some(ms) = n("blockedForMs") {
+    };
+    if let Some(ms) = s.blocked_for_ms {
         return format!(
             "blocked for {}",
             crate::output::age(ms.div_ceil(1000) as i64)
         );
     }
-    if s["store"] == "redis" {
-        let mode = s["globalMode"].as_str().unwrap_or("?");
-        return match (n("leasedHere"), n("bucketRemaining")) {
+    if s.store.as_deref() == Some("redis") {
+        let mode = s.global_mode.as_deref().unwrap_or("?");
+        return match (s.leased_here, s.bucket_remaining) {
             (Some(here), Some(bucket)) => {
                 format!("{mode}: {here} leased here, {bucket} left in Redis")
             }
@@ -287,12 +281,12 @@ fn state(s: &Value) -> String {
             _ => format!("{mode}: not tracked here (balance in Redis)"),
         };
     }
-    match (n("remaining"), n("limit")) {
+    match (s.remaining, s.limit) {
         (Some(remaining), Some(limit)) => {
-            if let Some(in_flight) = n("inFlight") {
+            if let Some(in_flight) = s.in_flight {
                 return format!("{in_flight}/{limit} in flight");
             }
-            let reset = n("resetMs").unwrap_or(0);
+            let reset = s.reset_ms.unwrap_or(0);
             if reset == 0 {
                 format!("{remaining}/{limit} left")
             } else {
@@ -312,58 +306,51 @@ mod tests {
 
     #[test]
     fn states_read_in_words() {
-        let v = |s: &str| serde_json::from_str::<Value>(s).unwrap();
+        let v = |s: &str| state(Some(&serde_json::from_str::<KeyState>(s).unwrap()));
         assert_eq!(
-            state(&v(
-                r#"{"tracked":true,"limit":20,"remaining":19,"resetMs":2500}"#
-            )),
+            v(r#"{"tracked":true,"limit":20,"remaining":19,"resetMs":2500}"#),
             "19/20 left, full in 3s"
         );
         assert_eq!(
-            state(&v(r#"{"tracked":false,"note":"x"}"#)),
+            v(r#"{"tracked":false,"note":"x"}"#),
             "not tracked (full limit)"
         );
         assert_eq!(
-            state(&v(r#"{"tracked":true,"blockedForMs":61000}"#)),
+            v(r#"{"tracked":true,"blockedForMs":61000}"#),
             "blocked for 61s"
         );
         assert_eq!(
-            state(&v(
-                r#"{"store":"redis","globalMode":"Leased","leasedHere":4,"bucketRemaining":90}"#
-            )),
+            v(r#"{"store":"redis","globalMode":"Leased","leasedHere":4,"bucketRemaining":90}"#),
             "Leased: 4 leased here, 90 left in Redis"
         );
         assert_eq!(
-            state(&v(
-                r#"{"store":"redis","globalMode":"Exact","tracked":false}"#
-            )),
+            v(r#"{"store":"redis","globalMode":"Exact","tracked":false}"#),
             "Exact: not tracked here (balance in Redis)"
         );
-        assert_eq!(state(&Value::Null), "-");
+        assert_eq!(state(None), "-");
     }
 
     #[test]
     fn outcomes_read_in_words() {
-        let v = |s: &str| serde_json::from_str::<Value>(s).unwrap();
+        let v = |s: &str| would(Some(&serde_json::from_str::<Would>(s).unwrap()));
         assert_eq!(
-            would(&v(r#"{"outcome":"admitted","remaining":5}"#)),
+            v(r#"{"outcome":"admitted","remaining":5}"#),
             "admitted (5 left)"
         );
         assert_eq!(
-            would(&v(
-                r#"{"outcome":"rejected","remaining":0,"retryAfterMs":11500}"#
-            )),
+            v(r#"{"outcome":"rejected","remaining":0,"retryAfterMs":11500}"#),
             "rejected (retry in 12s)"
         );
-        assert_eq!(would(&v(r#"{"outcome":"unknown"}"#)), "unknown");
-        assert_eq!(would(&Value::Null), "-");
-        let answer = v(
+        assert_eq!(v(r#"{"outcome":"unknown"}"#), "unknown");
+        assert_eq!(would(None), "-");
+        let answer: WhyAnswer = serde_json::from_str(
             r#"{"version":3,"request":{"method":"GET","path":"/x","headers":[],"clientIp":"127.0.0.1"},
             "decision":{"outcome":"rejected","rule":"per-key"},
             "rules":[{"policy":"shop/p","rule":"per-key","matches":true,"outcome":"counted","mode":"Enforce",
               "keyHash":"00ff","would":{"outcome":"rejected","remaining":0,"retryAfterMs":3000},
               "state":{"tracked":true,"limit":5,"remaining":0,"resetMs":3000}}]}"#,
-        );
+        )
+        .unwrap();
         let text = render("shop/pod", &answer, false);
         assert!(
             text.contains("would be rejected (429) by rule per-key"),
@@ -371,8 +358,9 @@ mod tests {
         );
         assert!(text.contains("rejected (retry in 3s)"), "{text}");
         assert!(!text.contains("limited"), "{text}");
-        let unknown = v(r#"{"decision":{"outcome":"unknown","rule":"g"}}"#);
-        assert!(verdict(&unknown["decision"]).contains("--balance redis"));
+        let unknown: Decision =
+            serde_json::from_str(r#"{"outcome":"unknown","rule":"g"}"#).unwrap();
+        assert!(verdict(&unknown).contains("--balance redis"));
     }
 
     #[test]
