@@ -96,7 +96,7 @@ set -e
 # The images package the dev-profile binaries `cargo test` just built: the same layout, user,
 # entrypoint and labels as the release images (tests/node checks them), without a second,
 # 10-minute optimised build of the whole tree. `tools/images/build.sh` alone builds release.
-log "container images (IMAGES_PROFILE=dev tools/images/build.sh: sidecar, controller, pause, test app, redis)"
+log "container images (IMAGES_PROFILE=dev tools/images/build.sh: sidecar, controller, ratelimit, pause, test app, redis)"
 set +e
 export IMAGES_PROFILE=dev
 IMAGES_DIR=$(./tools/images/build.sh | tail -n 1)

@@ -11,7 +11,7 @@ import tarfile
 from conftest import ROOT
 
 IMAGES = os.environ.get("IMAGES_DIR", os.path.join(ROOT, ".cache/images"))
-PRODUCT = ["tollgate-sidecar", "tollgate-controller"]
+PRODUCT = ["tollgate-sidecar", "tollgate-controller", "tollgate-ratelimit"]
 
 
 MIB = 2**20
@@ -21,10 +21,13 @@ MIB = 2**20
 # already built (14.7 and 17.4 MiB pulled; the optimised build took 25 minutes here, on 2
 # cores shared with other builds), so it checks the dev budget and the part of the layout that does not depend on the
 # profile (below), and prints that it did not measure release. `tools/images/build.sh` without
-# IMAGES_PROFILE builds release, and this test then checks the release budget.
+# IMAGES_PROFILE builds release, and this test then checks the release budget. The rate limit
+# service's image (tollgate-ratelimit, split from the sidecar) pulled 13.9 MiB in dev (2026-12-07);
+# its release budget assumes the others' release/dev ratio (0.56, so about 7.8 MiB) until a
+# release build measures it. Budgets leave the others' headroom: about 1.2x release, 1.37x dev.
 PULL_BUDGET_MIB = {
-    "release": {"tollgate-sidecar": 10, "tollgate-controller": 12},
-    "dev": {"tollgate-sidecar": 20, "tollgate-controller": 24},
+    "release": {"tollgate-sidecar": 10, "tollgate-controller": 12, "tollgate-ratelimit": 10},
+    "dev": {"tollgate-sidecar": 20, "tollgate-controller": 24, "tollgate-ratelimit": 19},
 }
 # Everything in a product image but its binary (glibc libraries, CA certificates, passwd),
 # unpacked: the same for every profile (measured 3.2 MiB).
@@ -109,7 +112,7 @@ def test_building_twice_from_one_commit_gives_the_same_digests(tmp_path):
                    stdout=subprocess.DEVNULL, timeout=600)
     first = open(os.path.join(IMAGES, "digests")).read()
     assert open(tmp_path / "digests").read() == first
-    assert len(first.splitlines()) == 5, first
+    assert len(first.splitlines()) == 6, first
 
 
 def test_image_sizes_stay_within_budget():

@@ -450,10 +450,11 @@ class GatewayEnvoy:
 
 
 def test_an_envoy_gateway_asks_the_rate_limit_service_pods(tmp_path):
-    """The chart's rate limit service (rateLimitService.enabled) on real pods: its pods stream
-    the policy that selects them from the controller like sidecars, turn Ready, and a real Envoy
-    in front of the app's Service enforces the descriptor rule through them: exactly 10 of 14,
-    the RateLimit fields on admitted answers and tollgate's 429 on the others."""
+    """The chart's rate limit service (rateLimitService.enabled) on real pods, from its own image
+    (tollgate-ratelimit, which tools/images/build.sh builds and up.sh imports with the others):
+    its pods stream the policy that selects them from the controller like sidecars, turn Ready,
+    and a real Envoy in front of the app's Service enforces the descriptor rule through them:
+    exactly 10 of 14, the RateLimit fields on admitted answers and tollgate's 429 on the others."""
     apply(GATEWAY_POLICY)
     helm("upgrade", RELEASE, os.path.join(ROOT, "charts/tollgate"), "-n", SYSTEM_NS, "--reuse-values",
          "--set", "rateLimitService.enabled=true",
@@ -465,6 +466,10 @@ def test_an_envoy_gateway_asks_the_rate_limit_service_pods(tmp_path):
     selector = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=rate-limit-service"
     eventually("2 rate limit service pods Ready", lambda: (lambda ps: len(ps) == 2 and all(map(ready, ps)))(
         [p for p in pods(SYSTEM_NS, selector) if not p["metadata"].get("deletionTimestamp")]), timeout=120)
+    running = [(c["image"], c.get("args", [])) for p in pods(SYSTEM_NS, selector)
+               if not p["metadata"].get("deletionTimestamp") for c in p["spec"]["containers"]]
+    assert running and all(image == "ghcr.io/tollgate-dev/tollgate-ratelimit:0.1.0" and "--rate-limit-service" not in args
+                           for image, args in running), running
     eventually("the policy in force in both pods", lambda: kjson(
         "get", "rlp", "-n", SYSTEM_NS, "gateway-checkout").get("status", {}).get("sidecarsInSync") == 2, timeout=60)
     vip = service_ip(SYSTEM_NS, service)

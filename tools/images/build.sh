@@ -8,21 +8,22 @@
 # Images (all single-layer, reproducible: same commit, same digest):
 #   ghcr.io/tollgate-dev/tollgate-sidecar:<version>     release binary + its glibc libraries,
 #   ghcr.io/tollgate-dev/tollgate-controller:<version>  CA certificates, user 65532, no shell
+#   ghcr.io/tollgate-dev/tollgate-ratelimit:<version>   (the Envoy rate limit service)
 #   tollgate.test/pause:1     pod sandbox for the test node (tools/images/pause)
 #   tollgate.test/app:1       busybox httpd, for test Deployments (listens where its args say)
 #   tollgate.test/redis:7     Debian's redis-server, for the chart's dev Redis in tests
 #
 # Env: IMAGES_OUT (default <repo>/.cache/images), IMAGES_PROFILE (cargo profile, default
 # release), IMAGE_REGISTRY (default ghcr.io/tollgate-dev), IMAGES_ONLY (space-separated subset).
-# The Dockerfile describes the same two product images for users with a container engine; a test
-# (tests/node/test_images.py) checks that both agree.
+# The Dockerfile describes the same three product images for users with a container engine; a
+# test (tests/node/test_images.py) checks that both agree.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 OUT=${IMAGES_OUT:-$ROOT/.cache/images}
 PROFILE=${IMAGES_PROFILE:-release}
 REGISTRY=${IMAGE_REGISTRY:-ghcr.io/tollgate-dev}
-ONLY=${IMAGES_ONLY:-tollgate-sidecar tollgate-controller pause app redis}
+ONLY=${IMAGES_ONLY:-tollgate-sidecar tollgate-controller tollgate-ratelimit pause app redis}
 log() { printf '[images] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 want() { [[ " $ONLY " == *" $1 "* ]]; }
@@ -39,16 +40,22 @@ OCI=(python3 "$HERE/oci.py" --created "$CREATED")
 : > "$OUT/digests.tmp"
 record() { printf '%s %s %s\n' "$1" "$2" "$3" >> "$OUT/digests.tmp"; log "$1: $2 ($(du -h "$OUT/$1.tar" | cut -f1))"; }
 
-if want tollgate-sidecar || want tollgate-controller; then
-  log "cargo build --profile $PROFILE (tollgate-sidecar, tollgate-controller)"
-  (cd "$ROOT" && cargo build --locked --profile "$PROFILE" -p tollgate-sidecar -p tollgate-controller) >&2
+# The product images: each package's binary (named like its package) and the same base.
+PRODUCTS=() PACKAGES=()
+for name in tollgate-sidecar tollgate-controller tollgate-ratelimit; do
+  want "$name" && PRODUCTS+=("$name") && PACKAGES+=(-p "$name")
+done
+if [ ${#PRODUCTS[@]} -gt 0 ]; then
+  log "cargo build --profile $PROFILE (${PRODUCTS[*]})"
+  (cd "$ROOT" && cargo build --locked --profile "$PROFILE" "${PACKAGES[@]}") >&2
   dir=$PROFILE; [ "$PROFILE" = dev ] && dir=debug
   BIN="${CARGO_TARGET_DIR:-$ROOT/target}/$dir"
-  for name in tollgate-sidecar tollgate-controller; do
-    want "$name" || continue
+  for name in "${PRODUCTS[@]}"; do
     case $name in
       tollgate-sidecar) ports=(--expose 8081/tcp --expose 9091/tcp) ;;
       tollgate-controller) ports=(--expose 8090/tcp --expose 8443/tcp --expose 9090/tcp --expose 9443/tcp) ;;
+      # gRPC (RLS v3 and RLQS) and admin: the chart's rateLimitService.port and .adminPort.
+      tollgate-ratelimit) ports=(--expose 8081/tcp --expose 9091/tcp) ;;
     esac
     ref="$REGISTRY/$name:$VERSION"
     # Debug info stays in target/ for profiling; the image gets the stripped binary.

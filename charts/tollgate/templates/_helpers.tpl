@@ -89,6 +89,10 @@ to the image name; a digest wins over the tag. */}}
 {{ include "tollgate.imageRef" (dict "image" .Values.sidecar.image "registry" .Values.imageRegistry "appVersion" .Chart.AppVersion) }}
 {{- end }}
 
+{{- define "tollgate.rateLimitServiceImage" -}}
+{{ include "tollgate.imageRef" (dict "image" .Values.rateLimitService.image "registry" .Values.imageRegistry "appVersion" .Chart.AppVersion) }}
+{{- end }}
+
 {{/* The Redis URL passed to sidecars ("" when global limits stay per sidecar). */}}
 {{- define "tollgate.redisURL" -}}
 {{- if .Values.redis.dev.enabled -}}

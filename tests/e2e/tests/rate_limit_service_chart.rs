@@ -3,8 +3,8 @@
 //!
 //! - off by default: the default rendering has none of it (`manifests/install.yaml` stays the
 //!   default rendering, checked in `webhook_and_chart.rs`);
-//! - on: a ServiceAccount without API token, a Deployment of the sidecar image with
-//!   `--rate-limit-service`, named `grpc`/`admin` ports, the probes on the admin port, the
+//! - on: a ServiceAccount without API token, a Deployment of the `tollgate-ratelimit` image
+//!   (its own `rateLimitService.image` values), named `grpc`/`admin` ports, the probes on the admin port, the
 //!   controller URL, projected token (the controller's audience), downward-API pod identity and
 //!   security context an injected sidecar gets, the Redis settings injected sidecars get, a
 //!   Service with `appProtocol: kubernetes.io/h2c`, a PodDisruptionBudget, a spread over zones
@@ -152,19 +152,20 @@ fn rate_limit_service_renders_its_objects_like_an_injected_sidecar() {
     assert_eq!(
         c["image"],
         format!(
-            "ghcr.io/tollgate-dev/tollgate-sidecar:{}",
+            "ghcr.io/tollgate-dev/tollgate-ratelimit:{}",
             chart_app_version()
         )
     );
+    assert_eq!(c["imagePullPolicy"], "IfNotPresent");
     let csc = &c["securityContext"];
     assert_eq!(csc["readOnlyRootFilesystem"], true);
     assert_eq!(csc["allowPrivilegeEscalation"], false);
     assert_eq!(csc["capabilities"]["drop"], serde_json::json!(["ALL"]));
 
-    // Arguments: the service, its ports, the controller (TLS by default), token and cache.
+    // Arguments: its ports, the controller (TLS by default), token and cache; the binary is
+    // the service, so the sidecar's `--rate-limit-service` alias is not needed.
     let a = args(&c);
     for want in [
-        "--rate-limit-service",
         "--listen=0.0.0.0:8081",
         "--admin=0.0.0.0:9091",
         "--controller=https://tollgate-controller.tollgate-system.svc:8443",
@@ -177,6 +178,7 @@ fn rate_limit_service_renders_its_objects_like_an_injected_sidecar() {
         assert!(a.iter().any(|x| x == want), "{want} missing in {a:?}");
     }
     assert!(!a.iter().any(|x| x.starts_with("--upstream")), "{a:?}");
+    assert!(!a.iter().any(|x| x == "--rate-limit-service"), "{a:?}");
     assert!(!a.iter().any(|x| x.starts_with("--redis")), "{a:?}");
 
     // Downward-API identity, as the injection webhook gives sidecars.
@@ -321,6 +323,33 @@ fn rate_limit_service_options_network_policy_monitor_headless_single_replica() {
     assert!(d["spec"]["template"]["spec"]["topologySpreadConstraints"].is_null());
     assert_eq!(d["spec"]["template"]["metadata"]["labels"]["team"], "edge");
     assert!(args(&container(&objs)).contains(&"--redis-timeout=10ms".to_string()));
+}
+
+/// Its image values work like the sidecar's: `imageRegistry` replaces the registry, a digest
+/// wins over the tag, and its pull policy is its own.
+#[test]
+fn rate_limit_service_image_values() {
+    let digest = format!("sha256:{}", "a".repeat(64));
+    let c = container(&objects(&format!(
+        "rateLimitService.enabled=true,imageRegistry=registry.example/platform,\
+         rateLimitService.image.digest={digest},rateLimitService.image.pullPolicy=Never,\
+         rateLimitService.logFormat=text"
+    )));
+    assert_eq!(
+        c["image"],
+        format!("registry.example/platform/tollgate-ratelimit@{digest}")
+    );
+    assert_eq!(c["imagePullPolicy"], "Never");
+    assert!(args(&c).contains(&"--log-format=text".to_string()));
+    let c = container(&objects(
+        "rateLimitService.enabled=true,rateLimitService.image.repository=mirror.example/rls,\
+         rateLimitService.image.tag=dev,sidecar.image.pullPolicy=Never",
+    ));
+    assert_eq!(c["image"], "mirror.example/rls:dev");
+    assert_eq!(
+        c["imagePullPolicy"], "IfNotPresent",
+        "the sidecar's policy is not its own"
+    );
 }
 
 /// The rate limit service gets what the controller's `--sidecar-redis-*` flags give injected
@@ -472,6 +501,10 @@ fn rate_limit_service_settings_that_would_starve_it_of_rules_are_refused() {
         ),
         ("rateLimitService.replicas=0", "/rateLimitService/replicas"),
         (
+            "rateLimitService.logFormat=pretty",
+            "/rateLimitService/logFormat",
+        ),
+        (
             "rateLimitService.extraArgs={redis-timeout}",
             "/rateLimitService/extraArgs/0",
         ),
@@ -561,7 +594,14 @@ fn chart_installs_the_rate_limit_service() {
     let d: Value =
         serde_json::from_str(&cp.ok(&["-n", NS, "get", "deployment", NAME, "-o", "json"])).unwrap();
     let spec = &d["spec"]["template"]["spec"];
-    assert_eq!(spec["containers"][0]["args"][0], "--rate-limit-service");
+    let image = spec["containers"][0]["image"].as_str().unwrap();
+    assert!(image.contains("/tollgate-ratelimit:"), "{image}");
+    assert!(
+        spec["containers"][0]["args"][0]
+            .as_str()
+            .unwrap()
+            .starts_with("--listen=")
+    );
     assert_eq!(
         spec["volumes"][0]["projected"]["sources"][0]["serviceAccountToken"]["audience"],
         "tollgate"
