@@ -260,35 +260,14 @@ pub async fn publish(
         {
             continue;
         }
-        let lease = match lease_object(&config, &report, &top) {
-            Ok(l) => l,
-            Err(error) => {
-                tracing::error!(%error, "cannot encode the membership report");
+        let lease = match publishable_lease(&config, &report, &top) {
+            Ok(lease) => lease,
+            Err(Unpublishable::Encoding) => continue,
+            Err(Unpublishable::TooLarge) => {
+                renew_at = Instant::now() + config.renew_every();
                 continue;
             }
         };
-        let mut lease = lease;
-        let size = annotations_size(&lease);
-        // Membership counts divide limits; top keys are only shown: drop those first.
-        if size > MAX_REPORT_BYTES
-            && let Some(a) = lease.metadata.annotations.as_mut()
-            && a.remove(TOP_KEYS_ANNOTATION).is_some()
-        {
-            tracing::warn!(
-                bytes = size,
-                "top limited keys too large for the membership Lease; peers will not see this replica's"
-            );
-        }
-        let size = annotations_size(&lease);
-        if size > MAX_REPORT_BYTES {
-            tracing::error!(
-                bytes = size,
-                pods = report.pods(),
-                "membership report too large for a Lease annotation; other replicas keep the last one"
-            );
-            renew_at = Instant::now() + config.renew_every();
-            continue;
-        }
         match api.patch(&name, &params, &Patch::Apply(&lease)).await {
             Ok(_) => {
                 tracing::debug!(lease = %name, pods = report.pods(), "membership report published");
@@ -302,9 +281,60 @@ pub async fn publish(
             }
         }
     }
+    delete_lease(&api, &name).await;
+}
+
+/// Why a report is not published this round.
+enum Unpublishable {
+    /// It could not be encoded (logged); the next change tries again.
+    Encoding,
+    /// Too large for a Lease annotation even without top keys (logged); peers keep the last
+    /// one until the next renewal tries again.
+    TooLarge,
+}
+
+/// The Lease that carries `report` and `top`, within [`MAX_REPORT_BYTES`]: membership counts
+/// divide limits and top keys are only shown, so top keys are dropped first.
+fn publishable_lease(
+    config: &PeerConfig,
+    report: &MembershipReport,
+    top: &Summary,
+) -> Result<Lease, Unpublishable> {
+    let mut lease = match lease_object(config, report, top) {
+        Ok(l) => l,
+        Err(error) => {
+            tracing::error!(%error, "cannot encode the membership report");
+            return Err(Unpublishable::Encoding);
+        }
+    };
+    let size = annotations_size(&lease);
+    if size > MAX_REPORT_BYTES
+        && let Some(a) = lease.metadata.annotations.as_mut()
+        && a.remove(TOP_KEYS_ANNOTATION).is_some()
+    {
+        tracing::warn!(
+            bytes = size,
+            "top limited keys too large for the membership Lease; peers will not see this replica's"
+        );
+    }
+    let size = annotations_size(&lease);
+    if size > MAX_REPORT_BYTES {
+        tracing::error!(
+            bytes = size,
+            pods = report.pods(),
+            "membership report too large for a Lease annotation; other replicas keep the last one"
+        );
+        return Err(Unpublishable::TooLarge);
+    }
+    Ok(lease)
+}
+
+/// Deletes this replica's Lease at shutdown, so peers stop counting it at once rather than
+/// when it expires; bounded, since shutdown must not wait on the API server.
+async fn delete_lease(api: &Api<Lease>, name: &str) {
     let deleted = tokio::time::timeout(
         Duration::from_secs(2),
-        api.delete(&name, &DeleteParams::default()),
+        api.delete(name, &DeleteParams::default()),
     )
     .await;
     match deleted {

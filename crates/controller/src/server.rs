@@ -33,7 +33,7 @@ use tollgate_crd::WIRE_VERSION;
 use tollgate_crd::stream::{Ack, StreamMessage, TopKeysReport};
 
 use crate::auth::{AuthError, Authenticator, Identity, authorize, bearer_token, same_incarnation};
-use crate::index::{AckError, PodRules, SharedIndex};
+use crate::index::{AckError, PodRules, SharedIndex, Subscription};
 use crate::membership::{self, Connection};
 use crate::metrics::{Metrics, OpenStream};
 use crate::top_keys::FleetTopKeys;
@@ -342,6 +342,12 @@ impl Server {
                 ),
             );
         };
+        self.open_stream(&q, conn, sub)
+    }
+
+    /// The NDJSON body of an accepted stream: the first snapshot, then changes and heartbeats
+    /// until the sidecar goes away or the controller drains.
+    fn open_stream(&self, q: &WatchQuery, conn: Connection, sub: Subscription) -> Response<Body> {
         for lag in &sub.lag {
             self.inner.metrics.stream_lag(*lag);
         }

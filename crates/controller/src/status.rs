@@ -39,15 +39,13 @@ const MAX_CONDITION_MESSAGE: usize = 32 * 1024;
 /// Kubernetes limits event notes to 1 kB.
 const MAX_EVENT_NOTE: usize = 1024;
 
-/// The status a policy should have. `base` is the latest status known to be on the object; its
-/// `lastTransitionTime`s are kept for conditions whose status does not change.
-pub fn desired_status(
+/// The Accepted condition: compiled, not compiled yet, or refused with its errors and which
+/// version stays in force.
+fn accepted_condition(
     view: &PolicyView,
-    base: Option<&RateLimitPolicyStatus>,
-    now: &Time,
-) -> RateLimitPolicyStatus {
-    let rule_count = view.compiled.as_ref().map(|c| c.rules.len());
-    let accepted = if view.errors.is_empty() {
+    rule_count: Option<usize>,
+) -> (&'static str, &'static str, String) {
+    if view.errors.is_empty() {
         match rule_count {
             Some(n) => (
                 "True",
@@ -79,10 +77,14 @@ pub fn desired_status(
                 errors.join("; ")
             ),
         )
-    };
+    }
+}
 
+/// The Programmed condition: how many of the selected sidecars enforce the rules in force,
+/// and which are behind.
+fn programmed_condition(view: &PolicyView) -> (&'static str, &'static str, String) {
     let (total, in_sync) = (view.sidecars_total, view.sidecars_in_sync);
-    let programmed = match &view.compiled {
+    match &view.compiled {
         None => (
             "False",
             conditions::REASON_PENDING,
@@ -121,7 +123,20 @@ pub fn desired_status(
                 )
             }
         }
-    };
+    }
+}
+
+/// The status a policy should have. `base` is the latest status known to be on the object; its
+/// `lastTransitionTime`s are kept for conditions whose status does not change.
+pub fn desired_status(
+    view: &PolicyView,
+    base: Option<&RateLimitPolicyStatus>,
+    now: &Time,
+) -> RateLimitPolicyStatus {
+    let rule_count = view.compiled.as_ref().map(|c| c.rules.len());
+    let accepted = accepted_condition(view, rule_count);
+    let (total, in_sync) = (view.sidecars_total, view.sidecars_in_sync);
+    let programmed = programmed_condition(view);
 
     let is_programmed = programmed.0 == "True";
     let condition = |type_: &str, (status, reason, message): (&str, &str, String)| {

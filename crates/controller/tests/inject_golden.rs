@@ -420,6 +420,24 @@ fn redis_password_from_a_secret_and_extra_args() {
         env(c, "TOLLGATE_REDIS_PASSWORD_FILE").value.as_deref(),
         Some("/var/run/secrets/tollgate-redis/auth/password")
     );
+    check_redis_secrets_mounted_in_the_sidecar_only(&pod);
+    assert_eq!(
+        args(c).last().map(String::as_str),
+        Some("--log-format=text")
+    );
+    assert!(args(c).contains(&"--upstream=http://127.0.0.1:3000".to_string()));
+    // The input has no serviceAccountName (the ServiceAccount admission plugin is off); the
+    // projected token needs one.
+    assert_eq!(
+        pod.spec.as_ref().unwrap().service_account_name.as_deref(),
+        Some("default")
+    );
+}
+
+/// The Redis password and CA come from optional Secret and ConfigMap volumes, mounted
+/// read-only into the sidecar and into no app container.
+fn check_redis_secrets_mounted_in_the_sidecar_only(pod: &Pod) {
+    let c = sidecar(pod);
     let spec = pod.spec.as_ref().unwrap();
     let volume = |name: &str| {
         spec.volumes
@@ -466,15 +484,4 @@ fn redis_password_from_a_secret_and_extra_args() {
             app.name
         );
     }
-    assert_eq!(
-        args(c).last().map(String::as_str),
-        Some("--log-format=text")
-    );
-    assert!(args(c).contains(&"--upstream=http://127.0.0.1:3000".to_string()));
-    // The input has no serviceAccountName (the ServiceAccount admission plugin is off); the
-    // projected token needs one.
-    assert_eq!(
-        pod.spec.as_ref().unwrap().service_account_name.as_deref(),
-        Some("default")
-    );
 }

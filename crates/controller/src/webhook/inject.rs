@@ -722,6 +722,49 @@ pub fn sidecar_container(cfg: &InjectConfig, plan: &Plan) -> Container {
     ];
     args.extend(cfg.extra_args.iter().cloned());
 
+    let (env, mounts) = sidecar_env_and_mounts(cfg);
+    let listen_name = plan
+        .rewrite
+        .as_ref()
+        .map(|r| r.name.clone())
+        .unwrap_or_else(|| PORT_NAME.to_string());
+
+    Container {
+        name: SIDECAR_NAME.to_string(),
+        image: Some(cfg.image.clone()),
+        image_pull_policy: Some(cfg.image_pull_policy.clone()),
+        args: Some(args),
+        env: Some(env),
+        ports: Some(vec![
+            ContainerPort {
+                name: Some(listen_name),
+                container_port: i32::from(cfg.listen_port),
+                protocol: Some("TCP".to_string()),
+                ..Default::default()
+            },
+            ContainerPort {
+                name: Some(ADMIN_PORT_NAME.to_string()),
+                container_port: i32::from(cfg.admin_port),
+                protocol: Some("TCP".to_string()),
+                ..Default::default()
+            },
+        ]),
+        // A native sidecar: starts before the app containers, stops after them (k8s >= 1.29).
+        restart_policy: Some("Always".to_string()),
+        resources: Some(cfg.resources.clone()),
+        security_context: Some(restricted_security_context()),
+        startup_probe: Some(admin_probe("/healthz", 1, 60)),
+        liveness_probe: Some(admin_probe("/healthz", 10, 3)),
+        readiness_probe: Some(admin_probe("/readyz", 5, 3)),
+        volume_mounts: Some(mounts),
+        termination_message_policy: Some("FallbackToLogsOnError".to_string()),
+        ..Default::default()
+    }
+}
+
+/// The sidecar's environment (its pod's name and namespace, the controller's CA, Redis
+/// credentials) and the mounts it reads: the stream token, the rules cache, Redis secrets.
+fn sidecar_env_and_mounts(cfg: &InjectConfig) -> (Vec<EnvVar>, Vec<VolumeMount>) {
     let field_env = |name: &str, path: &str| EnvVar {
         name: name.to_string(),
         value_from: Some(EnvVarSource {
@@ -761,8 +804,12 @@ pub fn sidecar_container(cfg: &InjectConfig, plan: &Plan) -> Container {
         env.extend(redis.env());
         mounts.extend(redis.mounts());
     }
+    (env, mounts)
+}
 
-    let probe = |path: &str, period: i32, failures: i32| Probe {
+/// An HTTP probe of the sidecar's admin port.
+fn admin_probe(path: &str, period: i32, failures: i32) -> Probe {
+    Probe {
         http_get: Some(HTTPGetAction {
             path: Some(path.to_string()),
             port: IntOrString::String(ADMIN_PORT_NAME.to_string()),
@@ -772,57 +819,26 @@ pub fn sidecar_container(cfg: &InjectConfig, plan: &Plan) -> Container {
         failure_threshold: Some(failures),
         timeout_seconds: Some(1),
         ..Default::default()
-    };
-    let listen_name = plan
-        .rewrite
-        .as_ref()
-        .map(|r| r.name.clone())
-        .unwrap_or_else(|| PORT_NAME.to_string());
+    }
+}
 
-    Container {
-        name: SIDECAR_NAME.to_string(),
-        image: Some(cfg.image.clone()),
-        image_pull_policy: Some(cfg.image_pull_policy.clone()),
-        args: Some(args),
-        env: Some(env),
-        ports: Some(vec![
-            ContainerPort {
-                name: Some(listen_name),
-                container_port: i32::from(cfg.listen_port),
-                protocol: Some("TCP".to_string()),
-                ..Default::default()
-            },
-            ContainerPort {
-                name: Some(ADMIN_PORT_NAME.to_string()),
-                container_port: i32::from(cfg.admin_port),
-                protocol: Some("TCP".to_string()),
-                ..Default::default()
-            },
-        ]),
-        // A native sidecar: starts before the app containers, stops after them (k8s >= 1.29).
-        restart_policy: Some("Always".to_string()),
-        resources: Some(cfg.resources.clone()),
-        security_context: Some(SecurityContext {
-            run_as_non_root: Some(true),
-            run_as_user: Some(SIDECAR_UID),
-            run_as_group: Some(SIDECAR_UID),
-            read_only_root_filesystem: Some(true),
-            allow_privilege_escalation: Some(false),
-            capabilities: Some(Capabilities {
-                drop: Some(vec!["ALL".to_string()]),
-                ..Default::default()
-            }),
-            seccomp_profile: Some(SeccompProfile {
-                type_: "RuntimeDefault".to_string(),
-                ..Default::default()
-            }),
+/// What the restricted Pod Security Standard asks of a container: non-root, read-only root,
+/// no privilege escalation, no capabilities, the runtime's seccomp profile.
+fn restricted_security_context() -> SecurityContext {
+    SecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(SIDECAR_UID),
+        run_as_group: Some(SIDECAR_UID),
+        read_only_root_filesystem: Some(true),
+        allow_privilege_escalation: Some(false),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".to_string()]),
             ..Default::default()
         }),
-        startup_probe: Some(probe("/healthz", 1, 60)),
-        liveness_probe: Some(probe("/healthz", 10, 3)),
-        readiness_probe: Some(probe("/readyz", 5, 3)),
-        volume_mounts: Some(mounts),
-        termination_message_policy: Some("FallbackToLogsOnError".to_string()),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".to_string(),
+            ..Default::default()
+        }),
         ..Default::default()
     }
 }
@@ -883,7 +899,6 @@ fn add(path: PointerBuf, value: Value) -> PatchOperation {
 /// (`annotations`, `initContainers`, `volumes`) are created when they are absent there.
 pub fn patch(raw: &Value, pod: &Pod, cfg: &InjectConfig, plan: &Plan) -> Patch {
     let mut ops = Vec::new();
-    let present = |p: &str| raw.pointer(p).is_some_and(|v| !v.is_null());
 
     let mut annotations = BTreeMap::new();
     annotations.insert(SIDECAR_VERSION, cfg.version.clone());
@@ -893,7 +908,7 @@ pub fn patch(raw: &Value, pod: &Pod, cfg: &InjectConfig, plan: &Plan) -> Patch {
     if !plan.unprotected_ports.is_empty() {
         annotations.insert(UNPROTECTED_PORTS, plan.unprotected_ports.join(","));
     }
-    if present("/metadata/annotations") {
+    if present(raw, "/metadata/annotations") {
         for (key, value) in annotations {
             ops.push(add(
                 ptr(["metadata", "annotations", key]),
@@ -908,92 +923,10 @@ pub fn patch(raw: &Value, pod: &Pod, cfg: &InjectConfig, plan: &Plan) -> Patch {
     }
 
     if let Some(r) = &plan.rewrite {
-        let ci = r.container.to_string();
-        let pi = r.port.to_string();
-        // Guard against a concurrent change of the list: the patch fails instead of renaming
-        // another port.
-        ops.push(PatchOperation::Test(TestOperation {
-            path: ptr(["spec", "containers", &ci, "ports", &pi, "name"]),
-            value: Value::String(r.name.clone()),
-        }));
-        ops.push(PatchOperation::Replace(ReplaceOperation {
-            path: ptr(["spec", "containers", &ci, "ports", &pi, "name"]),
-            value: Value::String(r.renamed_to.clone()),
-        }));
-        // Probes and lifecycle hooks of that container that refer to the port by name.
-        if let Some(c) = pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.containers.get(r.container))
-        {
-            for (field, probe) in [
-                ("livenessProbe", &c.liveness_probe),
-                ("readinessProbe", &c.readiness_probe),
-                ("startupProbe", &c.startup_probe),
-            ] {
-                let Some(probe) = probe else { continue };
-                let http = probe.http_get.as_ref().map(|h| &h.port);
-                let tcp = probe.tcp_socket.as_ref().map(|t| &t.port);
-                for (handler, port) in [("httpGet", http), ("tcpSocket", tcp)] {
-                    if port == Some(&IntOrString::String(r.name.clone())) {
-                        ops.push(PatchOperation::Replace(ReplaceOperation {
-                            path: ptr(["spec", "containers", &ci, field, handler, "port"]),
-                            value: Value::String(r.renamed_to.clone()),
-                        }));
-                    }
-                }
-            }
-            if let Some(lc) = &c.lifecycle {
-                for (hook, handler) in [("postStart", &lc.post_start), ("preStop", &lc.pre_stop)] {
-                    let Some(h) = handler else { continue };
-                    let http = h.http_get.as_ref().map(|h| &h.port);
-                    let tcp = h.tcp_socket.as_ref().map(|t| &t.port);
-                    for (kind, port) in [("httpGet", http), ("tcpSocket", tcp)] {
-                        if port == Some(&IntOrString::String(r.name.clone())) {
-                            ops.push(PatchOperation::Replace(ReplaceOperation {
-                                path: ptr([
-                                    "spec",
-                                    "containers",
-                                    &ci,
-                                    "lifecycle",
-                                    hook,
-                                    kind,
-                                    "port",
-                                ]),
-                                value: Value::String(r.renamed_to.clone()),
-                            }));
-                        }
-                    }
-                }
-            }
-        }
+        rename_port_ops(pod, r, &mut ops);
     }
-
     if plan.drain_delay_seconds > 0 {
-        let sleep = serde_json::json!({"sleep": {"seconds": plan.drain_delay_seconds}});
-        for (i, c) in pod
-            .spec
-            .iter()
-            .flat_map(|s| s.containers.iter())
-            .enumerate()
-        {
-            let lifecycle = c.lifecycle.as_ref();
-            if lifecycle.is_some_and(|l| l.pre_stop.is_some()) {
-                continue; // the app drains its own way
-            }
-            let ci = i.to_string();
-            if present(&format!("/spec/containers/{i}/lifecycle")) {
-                ops.push(add(
-                    ptr(["spec", "containers", &ci, "lifecycle", "preStop"]),
-                    sleep.clone(),
-                ));
-            } else {
-                ops.push(add(
-                    ptr(["spec", "containers", &ci, "lifecycle"]),
-                    serde_json::json!({ "preStop": sleep }),
-                ));
-            }
-        }
+        drain_delay_ops(raw, pod, plan.drain_delay_seconds, &mut ops);
     }
 
     // A projected ServiceAccount token is only valid with a serviceAccountName. The
@@ -1009,7 +942,7 @@ pub fn patch(raw: &Value, pod: &Pod, cfg: &InjectConfig, plan: &Plan) -> Patch {
         ));
     }
     let sidecar = to_json(&sidecar_container(cfg, plan));
-    if present("/spec/initContainers") {
+    if present(raw, "/spec/initContainers") {
         ops.push(add(ptr(["spec", "initContainers", "-"]), sidecar));
     } else {
         ops.push(add(
@@ -1022,7 +955,7 @@ pub fn patch(raw: &Value, pod: &Pod, cfg: &InjectConfig, plan: &Plan) -> Patch {
         volumes.extend(redis.volumes());
     }
     let volumes: Vec<Value> = volumes.iter().map(to_json).collect();
-    if present("/spec/volumes") {
+    if present(raw, "/spec/volumes") {
         for v in volumes {
             ops.push(add(ptr(["spec", "volumes", "-"]), v));
         }
@@ -1030,6 +963,96 @@ pub fn patch(raw: &Value, pod: &Pod, cfg: &InjectConfig, plan: &Plan) -> Patch {
         ops.push(add(ptr(["spec", "volumes"]), Value::Array(volumes)));
     }
     Patch(ops)
+}
+
+/// Renames the app port the sidecar takes over, and every probe and lifecycle hook of its
+/// container that names it, so they keep reaching the app.
+fn rename_port_ops(pod: &Pod, r: &PortRewrite, ops: &mut Vec<PatchOperation>) {
+    let ci = r.container.to_string();
+    let pi = r.port.to_string();
+    // Guard against a concurrent change of the list: the patch fails instead of renaming
+    // another port.
+    ops.push(PatchOperation::Test(TestOperation {
+        path: ptr(["spec", "containers", &ci, "ports", &pi, "name"]),
+        value: Value::String(r.name.clone()),
+    }));
+    ops.push(PatchOperation::Replace(ReplaceOperation {
+        path: ptr(["spec", "containers", &ci, "ports", &pi, "name"]),
+        value: Value::String(r.renamed_to.clone()),
+    }));
+    // Probes and lifecycle hooks of that container that refer to the port by name.
+    if let Some(c) = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.containers.get(r.container))
+    {
+        for (field, probe) in [
+            ("livenessProbe", &c.liveness_probe),
+            ("readinessProbe", &c.readiness_probe),
+            ("startupProbe", &c.startup_probe),
+        ] {
+            let Some(probe) = probe else { continue };
+            let http = probe.http_get.as_ref().map(|h| &h.port);
+            let tcp = probe.tcp_socket.as_ref().map(|t| &t.port);
+            for (handler, port) in [("httpGet", http), ("tcpSocket", tcp)] {
+                if port == Some(&IntOrString::String(r.name.clone())) {
+                    ops.push(PatchOperation::Replace(ReplaceOperation {
+                        path: ptr(["spec", "containers", &ci, field, handler, "port"]),
+                        value: Value::String(r.renamed_to.clone()),
+                    }));
+                }
+            }
+        }
+        if let Some(lc) = &c.lifecycle {
+            for (hook, handler) in [("postStart", &lc.post_start), ("preStop", &lc.pre_stop)] {
+                let Some(h) = handler else { continue };
+                let http = h.http_get.as_ref().map(|h| &h.port);
+                let tcp = h.tcp_socket.as_ref().map(|t| &t.port);
+                for (kind, port) in [("httpGet", http), ("tcpSocket", tcp)] {
+                    if port == Some(&IntOrString::String(r.name.clone())) {
+                        ops.push(PatchOperation::Replace(ReplaceOperation {
+                            path: ptr(["spec", "containers", &ci, "lifecycle", hook, kind, "port"]),
+                            value: Value::String(r.renamed_to.clone()),
+                        }));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A `preStop` sleep for app containers without one, so endpoints drop the pod before the app
+/// stops taking requests.
+fn drain_delay_ops(raw: &Value, pod: &Pod, seconds: i64, ops: &mut Vec<PatchOperation>) {
+    let sleep = serde_json::json!({"sleep": {"seconds": seconds}});
+    for (i, c) in pod
+        .spec
+        .iter()
+        .flat_map(|s| s.containers.iter())
+        .enumerate()
+    {
+        let lifecycle = c.lifecycle.as_ref();
+        if lifecycle.is_some_and(|l| l.pre_stop.is_some()) {
+            continue; // the app drains its own way
+        }
+        let ci = i.to_string();
+        if present(raw, &format!("/spec/containers/{i}/lifecycle")) {
+            ops.push(add(
+                ptr(["spec", "containers", &ci, "lifecycle", "preStop"]),
+                sleep.clone(),
+            ));
+        } else {
+            ops.push(add(
+                ptr(["spec", "containers", &ci, "lifecycle"]),
+                serde_json::json!({ "preStop": sleep }),
+            ));
+        }
+    }
+}
+
+/// Whether `raw` (the pod as the API server sent it) has a non-null value at `pointer`.
+fn present(raw: &Value, pointer: &str) -> bool {
+    raw.pointer(pointer).is_some_and(|v| !v.is_null())
 }
 
 /// The outcome of one pod admission.
