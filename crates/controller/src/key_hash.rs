@@ -77,18 +77,20 @@ fn stored(secret: &Secret) -> Option<Arc<str>> {
 /// Loads the secret in the background, retrying every 5 s until it has it (or learns there is
 /// none), and publishes it to `tx`: streams opened from then on carry it, and open streams
 /// get it in a new snapshot. Then reads it again every [`RECHECK`], publishing a rotated value.
+/// Stops at `shutdown`, between two reads of the Secret (never in the middle of one).
 pub async fn follow(
     client: kube::Client,
     namespace: String,
     name: String,
     tx: watch::Sender<Option<Arc<str>>>,
+    mut shutdown: watch::Receiver<bool>,
 ) {
     let mut last_error: Option<String> = None;
     loop {
         match load_or_fill(&client, &namespace, &name).await {
             Ok(Some(value)) => {
                 tx.send_replace(Some(value));
-                watch_rotation(&client, &namespace, &name, &tx, RECHECK).await;
+                watch_rotation(&client, &namespace, &name, &tx, RECHECK, shutdown).await;
                 return;
             }
             Ok(None) => {
@@ -103,7 +105,23 @@ pub async fn follow(
                 }
             }
         }
-        tokio::time::sleep(Duration::from_secs(5)).await;
+        if !sleep_unless_shutdown(Duration::from_secs(5), &mut shutdown).await {
+            return;
+        }
+    }
+}
+
+/// Sleeps for `period`; false if `shutdown` came first.
+async fn sleep_unless_shutdown(period: Duration, shutdown: &mut watch::Receiver<bool>) -> bool {
+    let stop = async {
+        if shutdown.wait_for(|stop| *stop).await.is_err() {
+            // No one left to say stop: sleep on.
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        () = tokio::time::sleep(period) => true,
+        () = stop => false,
     }
 }
 
@@ -116,12 +134,12 @@ async fn watch_rotation(
     name: &str,
     tx: &watch::Sender<Option<Arc<str>>>,
     recheck: Duration,
+    mut shutdown: watch::Receiver<bool>,
 ) {
     let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
     let mut complained = false;
     loop {
-        tokio::time::sleep(recheck).await;
-        if tx.is_closed() {
+        if !sleep_unless_shutdown(recheck, &mut shutdown).await || tx.is_closed() {
             return;
         }
         match api.get_opt(name).await {

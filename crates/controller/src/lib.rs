@@ -20,8 +20,10 @@
 //! - [`leader`]: Lease-based leader election.
 //! - [`metrics`]: Prometheus metrics (`tollgate_controller_*`).
 //! - [`webhook`]: admission webhooks (sidecar injection, RateLimitPolicy validation) and their TLS.
-//! - [`telemetry`]: logs and OpenTelemetry traces (reconciles, status writes, token reviews).
-//! - [`args`], [`runtime`]: flags and wiring.
+//! - [`telemetry`]: the controller's trace spans (reconciles, status writes, token reviews);
+//!   logs and the exporter are set up by `tollgate-telemetry`, as for the sidecar.
+//! - [`args`], [`runtime`]: flags, and the wiring (a build per component that binds its port,
+//!   a spawn per task, a drain that lets each task finish the work in hand).
 
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]

@@ -1,4 +1,5 @@
-//! Logs and OpenTelemetry traces, set up like the sidecar's (`crates/telemetry`).
+//! The controller's own spans. Logs and the trace exporter are set up by `tollgate-telemetry`,
+//! as for the sidecar ([`crate::runtime::init_tracing`] gives the controller's settings).
 //!
 //! Logs: JSON (`--log-format json`, what the chart sets) is the sidecar's layout — one object per
 //! line with `timestamp`, `level`, `message`, `target` and the event's fields at the top level —
@@ -20,87 +21,12 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
-use opentelemetry::trace::TracerProvider as _;
+use tollgate_telemetry::{TRACE_TARGET, enabled};
 use tracing::{Instrument, Span};
-use tracing_subscriber::layer::SubscriberExt;
-use tracing_subscriber::util::SubscriberInitExt;
-use tracing_subscriber::{EnvFilter, Layer};
 
 use crate::index::PolicyInput;
-
-/// Target of trace spans; only these reach the OpenTelemetry layer.
-pub const TRACE_TARGET: &str = "tollgate::trace";
-
-static ENABLED: AtomicBool = AtomicBool::new(false);
-static PROVIDER: OnceLock<opentelemetry_sdk::trace::SdkTracerProvider> = OnceLock::new();
-
-/// Whether traces are exported (checked before creating any span).
-#[inline]
-pub fn enabled() -> bool {
-    ENABLED.load(Ordering::Relaxed)
-}
-
-/// Sets up logging (`filter` applies to logs only) and, with `otlp_endpoint`, trace export over
-/// OTLP/HTTP (protobuf) to `<endpoint>/v1/traces` (see [`tollgate_telemetry::otlp`] for TLS and
-/// `otlp_ca_file`). Fails if a global subscriber is already set, or (after setting up logging)
-/// if the exporter cannot be built.
-pub fn init(
-    filter: EnvFilter,
-    json: bool,
-    otlp_endpoint: Option<&str>,
-    otlp_ca_file: Option<&std::path::Path>,
-    service: &str,
-) -> Result<(), String> {
-    let ansi = !json && std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let fmt = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
-        .with_ansi(ansi);
-    let fmt = if json {
-        fmt.json()
-            .flatten_event(true)
-            .with_current_span(true)
-            .with_span_list(false)
-            .boxed()
-    } else {
-        fmt.boxed()
-    };
-    // An exporter that cannot be built leaves logging working; the error is returned after.
-    let exporter = |e: &str| tollgate_telemetry::otlp::tracer_provider(e, otlp_ca_file, service);
-    let (otel, provider, export_error) = match otlp_endpoint.map(exporter) {
-        None => (None, None, None),
-        Some(Err(e)) => (None, None, Some(e)),
-        Some(Ok(provider)) => {
-            let tracer = provider.tracer(service.to_string());
-            let layer = tracing_opentelemetry::layer()
-                .with_tracer(tracer)
-                .with_filter(tracing_subscriber::filter::filter_fn(|m| {
-                    m.target() == TRACE_TARGET
-                }));
-            (Some(layer), Some(provider), None)
-        }
-    };
-    tracing_subscriber::registry()
-        .with(fmt.with_filter(filter))
-        .with(otel)
-        .try_init()
-        .map_err(|e| e.to_string())?;
-    if let Some(p) = provider {
-        let _ = PROVIDER.set(p);
-        ENABLED.store(true, Ordering::Relaxed);
-    }
-    export_error.map_or(Ok(()), Err)
-}
-
-/// Flushes pending spans (called on shutdown; blocks until the exporter is done).
-pub fn shutdown() {
-    if let Some(p) = PROVIDER.get() {
-        let _ = p.shutdown();
-    }
-}
 
 /// The span of one policy reconcile; fill it in with [`record_reconcile`]. Disabled (free) when
 /// traces are off.

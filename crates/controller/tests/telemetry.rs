@@ -162,15 +162,17 @@ async fn api_server(
 async fn reconciles_status_writes_and_token_reviews_are_traced() {
     tokio::time::timeout(Duration::from_secs(60), async {
         let (endpoint, exports) = collector().await;
-        telemetry::init(
-            tracing_subscriber::EnvFilter::new("info"),
-            true,
-            Some(&endpoint),
-            None,
-            "tollgate-controller-test",
-        )
+        tollgate_telemetry::init_with(&tollgate_telemetry::Settings {
+            service: "tollgate-controller-test",
+            log_filter: "info",
+            rust_log_wins: false,
+            format: tollgate_telemetry::LogFormat::Json,
+            json_span: true,
+            otlp_endpoint: Some(&endpoint),
+            otlp_ca_file: None,
+        })
         .unwrap();
-        assert!(telemetry::enabled());
+        assert!(tollgate_telemetry::enabled());
 
         // Reconciles: a valid policy with two rules, then an invalid generation of another.
         let index = Index::shared("epoch");
@@ -217,7 +219,7 @@ async fn reconciles_status_writes_and_token_reviews_are_traced() {
         drop((writer, auth));
         let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
 
-        tokio::task::spawn_blocking(telemetry::shutdown)
+        tokio::task::spawn_blocking(tollgate_telemetry::shutdown)
             .await
             .unwrap();
         let spans = spans(&exports);

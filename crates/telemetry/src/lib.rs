@@ -1,7 +1,8 @@
-//! tollgate-telemetry: logs and OpenTelemetry traces, set up the same way by every binary.
+//! tollgate-telemetry: logs and OpenTelemetry traces, set up the same way by every binary
+//! ([`init_with`]; [`Settings`] holds the few ways the binaries differ).
 //!
-//! Logs are structured (JSON by default) with a filter that can be changed at runtime through
-//! the admin port (`PUT /debug/log-level`). Traces are off unless an OTLP endpoint is
+//! Logs are structured (JSON by default) with a filter that can be changed at runtime (the
+//! sidecar's admin port: `PUT /debug/log-level`). Traces are off unless an OTLP endpoint is
 //! configured; when off, the request path checks one atomic flag and creates no span at all.
 //! When on, every proxied request gets a span carrying the decision and the rule, continues the
 //! caller's W3C trace context, and passes its own context on to the upstream; Redis lease calls
@@ -33,10 +34,34 @@ pub fn enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
 
+/// How a binary sets up its logs and traces ([`init_with`]). The two binaries differ only in
+/// the fields that say so; everything else (stderr, the JSON layout, colour only at a
+/// terminal, the runtime log filter, the trace exporter) is the same.
+#[derive(Clone, Copy, Debug)]
+pub struct Settings<'a> {
+    /// `service.name` of the spans (`tollgate-sidecar`, `tollgate-controller`).
+    pub service: &'a str,
+    /// `--log` (RUST_LOG syntax); one that does not parse falls back to `info`.
+    pub log_filter: &'a str,
+    /// `RUST_LOG`, when set and valid, wins over `log_filter` (the controller's rule; the
+    /// sidecar's `--log` alone decides).
+    pub rust_log_wins: bool,
+    /// `--log-format`.
+    pub format: LogFormat,
+    /// JSON lines carry `span`, the innermost span's fields (the controller's reconcile or
+    /// task); the sidecar's lines have only the event's own fields.
+    pub json_span: bool,
+    /// `--otlp-endpoint`, else [`otlp::ENDPOINT_ENV`]; with neither, no traces.
+    pub otlp_endpoint: Option<&'a str>,
+    /// `--otlp-ca-file`, else the standard variables (see [`otlp::ca_file`]).
+    pub otlp_ca_file: Option<&'a std::path::Path>,
+}
+
 /// Sets up logging and, with `otlp_endpoint` (or else the standard `OTEL_EXPORTER_OTLP_ENDPOINT`
 /// variable), trace export over OTLP/HTTP (protobuf) to `<endpoint>/v1/traces` (see
 /// [`otlp`] for TLS and `otlp_ca_file`). An exporter that cannot be built leaves
-/// logging working; the error is returned after.
+/// logging working; the error is returned after. The sidecar's settings: [`init_with`] with
+/// `--log` alone deciding and no span in JSON lines.
 pub fn init(
     log_filter: &str,
     json: bool,
@@ -44,58 +69,100 @@ pub fn init(
     otlp_ca_file: Option<&std::path::Path>,
     service: &str,
 ) -> Result<(), String> {
-    let filter = EnvFilter::try_new(log_filter).unwrap_or_else(|_| EnvFilter::new("info"));
-    let (filter, handle) = reload::Layer::new(filter);
+    init_with(&Settings {
+        service,
+        log_filter,
+        rust_log_wins: false,
+        format: if json {
+            LogFormat::Json
+        } else {
+            LogFormat::Text
+        },
+        json_span: false,
+        otlp_endpoint,
+        otlp_ca_file,
+    })
+}
+
+/// Sets up logging (the filter applies to logs only, so `--log warn` does not switch traces
+/// off; [`set_log_filter`] changes it at runtime) and, with an OTLP endpoint, trace export
+/// with the W3C trace-context propagator. Fails if a global subscriber is already set (then
+/// nothing here is switched on), or, after setting up logging, if the exporter cannot be built.
+pub fn init_with(settings: &Settings<'_>) -> Result<(), String> {
+    let (filter, handle) = reload::Layer::new(log_filter(settings));
+    let (otel, provider, export_error) = match trace_provider(settings) {
+        None => (None, None, None),
+        Some(Err(e)) => (None, None, Some(e)),
+        Some(Ok(provider)) => {
+            let tracer = provider.tracer(settings.service.to_string());
+            let layer = tracing_opentelemetry::layer()
+                .with_tracer(tracer)
+                .with_filter(tracing_subscriber::filter::filter_fn(|m| {
+                    m.target() == TRACE_TARGET
+                }));
+            (Some(layer), Some(provider), None)
+        }
+    };
+    tracing_subscriber::registry()
+        .with(log_layer(settings).with_filter(filter))
+        .with(otel)
+        .try_init()
+        .map_err(|e| e.to_string())?;
     let _ = FILTER.set(handle);
+    if let Some(provider) = provider {
+        let _ = PROVIDER.set(provider);
+        opentelemetry::global::set_text_map_propagator(
+            opentelemetry_sdk::propagation::TraceContextPropagator::new(),
+        );
+        ENABLED.store(true, Ordering::Relaxed);
+    }
+    export_error.map_or(Ok(()), Err)
+}
+
+/// The log filter: `RUST_LOG` first when it wins, then `--log`, then `info`.
+fn log_filter(settings: &Settings<'_>) -> EnvFilter {
+    settings
+        .rust_log_wins
+        .then(EnvFilter::try_from_default_env)
+        .and_then(Result::ok)
+        .or_else(|| EnvFilter::try_new(settings.log_filter).ok())
+        .unwrap_or_else(|| EnvFilter::new("info"))
+}
+
+/// The stderr layer: JSON with the event's fields at the top level, or text.
+fn log_layer<S>(settings: &Settings<'_>) -> Box<dyn Layer<S> + Send + Sync>
+where
+    S: tracing::Subscriber + for<'l> tracing_subscriber::registry::LookupSpan<'l>,
+{
+    let json = settings.format == LogFormat::Json;
     // Colour only for a person at a terminal: a file or a pipe (a log collector, `> demo.log`)
     // would keep the escape codes as bytes.
     let ansi = !json && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(ansi);
-    let fmt = if json {
+    if json {
         fmt.json()
             .flatten_event(true)
-            .with_current_span(false)
+            .with_current_span(settings.json_span)
             .with_span_list(false)
             .boxed()
     } else {
         fmt.boxed()
-    };
-    let provider = crate::otlp::endpoint(otlp_endpoint).map(|endpoint| {
-        let ca = crate::otlp::ca_file(otlp_ca_file);
-        crate::otlp::tracer_provider(&endpoint, ca.as_deref(), service)
-    });
-    let (provider, export_error) = match provider {
-        None => (None, None),
-        Some(Ok(p)) => (Some(p), None),
-        Some(Err(e)) => (None, Some(e)),
-    };
-    let otel = match provider {
-        None => None,
-        Some(provider) => {
-            let tracer = provider.tracer(service.to_string());
-            let _ = PROVIDER.set(provider);
-            opentelemetry::global::set_text_map_propagator(
-                opentelemetry_sdk::propagation::TraceContextPropagator::new(),
-            );
-            ENABLED.store(true, Ordering::Relaxed);
-            Some(
-                tracing_opentelemetry::layer()
-                    .with_tracer(tracer)
-                    .with_filter(tracing_subscriber::filter::filter_fn(|m| {
-                        m.target() == TRACE_TARGET
-                    })),
-            )
-        }
-    };
-    // The log filter applies to logs only, so `--log warn` does not switch traces off.
-    tracing_subscriber::registry()
-        .with(fmt.with_filter(filter))
-        .with(otel)
-        .try_init()
-        .map_err(|e| e.to_string())?;
-    export_error.map_or(Ok(()), Err)
+    }
+}
+
+/// The trace exporter, when an endpoint is configured.
+fn trace_provider(
+    settings: &Settings<'_>,
+) -> Option<Result<opentelemetry_sdk::trace::SdkTracerProvider, String>> {
+    let endpoint = otlp::endpoint(settings.otlp_endpoint)?;
+    let ca = otlp::ca_file(settings.otlp_ca_file);
+    Some(otlp::tracer_provider(
+        &endpoint,
+        ca.as_deref(),
+        settings.service,
+    ))
 }
 
 /// Changes the log filter at runtime (e.g. `debug` or `info,tollgate::audit=off`).
@@ -105,7 +172,8 @@ pub fn set_log_filter(directives: &str) -> Result<(), String> {
     handle.reload(filter).map_err(|e| e.to_string())
 }
 
-/// Flushes pending spans (called on shutdown).
+/// Flushes pending spans (called on shutdown; blocks until the exporter is done, so keep it off
+/// the async workers).
 pub fn shutdown() {
     if let Some(p) = PROVIDER.get() {
         let _ = p.shutdown();
@@ -195,4 +263,32 @@ pub async fn shutdown_signal() {
         let _ = tokio::signal::ctrl_c().await;
     }
     tracing::info!("shutdown requested; draining");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(log_filter: &str) -> Settings<'_> {
+        Settings {
+            service: "t",
+            log_filter,
+            rust_log_wins: false,
+            format: LogFormat::Json,
+            json_span: false,
+            otlp_endpoint: None,
+            otlp_ca_file: None,
+        }
+    }
+
+    /// A filter that does not parse leaves logs at `info` rather than off. (`RUST_LOG` itself is
+    /// not touched: tests run in parallel in one process.)
+    #[test]
+    fn a_bad_log_filter_falls_back_to_info() {
+        assert_eq!(log_filter(&settings("not a [filter")).to_string(), "info");
+        assert_eq!(
+            log_filter(&settings("warn,tollgate::audit=off")).to_string(),
+            "tollgate::audit=off,warn"
+        );
+    }
 }

@@ -386,7 +386,11 @@ fn text(status: StatusCode, body: &str) -> Response<Full<Bytes>> {
 
 // === serving ===
 
-/// Accepts TLS connections on `listener` until shutdown.
+/// How long admission reviews in flight at shutdown get to finish.
+const DRAIN_GRACE: Duration = Duration::from_secs(5);
+
+/// Accepts TLS connections on `listener` until shutdown, then lets the reviews in flight finish
+/// (up to [`DRAIN_GRACE`]): a pod being admitted is not cut off.
 pub async fn serve(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
@@ -394,6 +398,7 @@ pub async fn serve(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     loop {
         let (tcp, peer) = tokio::select! {
             r = listener.accept() => match r {
@@ -406,13 +411,14 @@ pub async fn serve(
             },
             r = shutdown.changed() => {
                 if r.is_err() || *shutdown.borrow() {
-                    return;
+                    break;
                 }
                 continue;
             }
         };
         let acceptor = acceptor.clone();
         let handler = handler.clone();
+        let watcher = graceful.watcher();
         tokio::spawn(async move {
             let Some(stream) = tls::accept(&acceptor, tcp, peer, "webhook").await else {
                 return;
@@ -421,45 +427,74 @@ pub async fn serve(
                 let handler = handler.clone();
                 async move { Ok::<_, Infallible>(handler.call(req).await) }
             });
-            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+            let conn = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(stream), service)
-                .await;
+                .into_owned();
+            let _ = watcher.watch(conn).await;
         });
+    }
+    drop(listener);
+    if tokio::time::timeout(DRAIN_GRACE, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("admission reviews still in flight after the shutdown grace period");
     }
 }
 
-/// Starts the webhook server (and the self-signed certificate manager) when
-/// `--webhook-cert-dir` is set. Call before the registry is handed to the rule-stream server.
-/// Returns the serving certificate (kept current), which the rule stream's TLS listener shares.
-/// `started`: the process start (Unix seconds), written with the settings' hash on every
-/// injected pod ([`inject::INJECTED_BY`]).
-pub async fn start(
-    client: &kube::Client,
-    args: &WebhookArgs,
-    registry: &mut Registry,
-    (started, shutdown): (i64, watch::Receiver<bool>),
-) -> anyhow::Result<Option<Arc<CertStore>>> {
-    let Some(dir) = args.webhook_cert_dir.clone() else {
-        tracing::info!("admission webhooks off (no --webhook-cert-dir)");
-        return Ok(None);
-    };
-    let mut config = args.inject_config()?;
-    config.injected_by = Some(inject::injector_id(&config, started));
-    let metrics = WebhookMetrics::register(registry);
-    let store = CertStore::new();
-    let tls = Arc::new(tls::server_config(store.clone())?);
-    let listener = TcpListener::bind(args.webhook_listen)
-        .await
-        .with_context(|| {
-            format!(
-                "cannot listen on {} (--webhook-listen)",
-                args.webhook_listen
-            )
-        })?;
-    tracing::info!(listen = %args.webhook_listen, cert_dir = %dir.display(), self_signed = args.webhook_self_signed, image = %config.image, "serving admission webhooks");
+/// The admission webhooks, built: the injection settings read, the metrics registered and
+/// `--webhook-listen` bound, but nothing served yet ([`Webhooks::tasks`]).
+pub struct Webhooks {
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    store: Arc<CertStore>,
+    handler: Handler,
+    cert_dir: std::path::PathBuf,
+    reload_interval: Duration,
+    self_signed: Option<certs::SelfSignedConfig>,
+}
 
-    if args.webhook_self_signed {
-        let cfg = certs::SelfSignedConfig {
+type Task = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// The webhooks' tasks, to spawn; each stops at the shutdown signal it was given.
+pub struct WebhookTasks {
+    /// The self-signed certificate manager (`--webhook-self-signed`).
+    pub certs: Option<Task>,
+    /// Reloads the serving certificate when its files change.
+    pub reload: Task,
+    /// The server; at shutdown, the reviews in flight finish.
+    pub server: Task,
+}
+
+impl Webhooks {
+    /// `None` without `--webhook-cert-dir`. Call before the registry is handed to the
+    /// rule-stream server. `started`: the process start (Unix seconds), written with the
+    /// settings' hash on every injected pod ([`inject::INJECTED_BY`]).
+    pub async fn build(
+        client: &kube::Client,
+        args: &WebhookArgs,
+        registry: &mut Registry,
+        started: i64,
+    ) -> anyhow::Result<Option<Webhooks>> {
+        let Some(dir) = args.webhook_cert_dir.clone() else {
+            tracing::info!("admission webhooks off (no --webhook-cert-dir)");
+            return Ok(None);
+        };
+        let mut config = args.inject_config()?;
+        config.injected_by = Some(inject::injector_id(&config, started));
+        let metrics = WebhookMetrics::register(registry);
+        let store = CertStore::new();
+        let tls = Arc::new(tls::server_config(store.clone())?);
+        let listener = TcpListener::bind(args.webhook_listen)
+            .await
+            .with_context(|| {
+                format!(
+                    "cannot listen on {} (--webhook-listen)",
+                    args.webhook_listen
+                )
+            })?;
+        tracing::info!(listen = %args.webhook_listen, cert_dir = %dir.display(), self_signed = args.webhook_self_signed, image = %config.image, "serving admission webhooks");
+        let self_signed = args.webhook_self_signed.then(|| certs::SelfSignedConfig {
             secret_name: args.webhook_secret.clone(),
             secret_namespace: args
                 .webhook_secret_namespace
@@ -470,30 +505,44 @@ pub async fn start(
             mutating_webhook: args.mutating_webhook.clone(),
             validating_webhook: args.validating_webhook.clone(),
             check_interval: Duration::from_secs(60),
-        };
-        tokio::spawn(
-            certs::run(client.clone(), cfg, store.clone(), shutdown.clone())
-                .instrument(tracing::info_span!("webhook-certs")),
-        );
+        });
+        let mut handler = Handler::new(config.clone(), metrics);
+        if config.controller_url.starts_with("https://") {
+            handler = handler.with_controller_ca_file(dir.join(tls::CA_FILE));
+        }
+        Ok(Some(Webhooks {
+            listener,
+            tls,
+            store,
+            handler,
+            cert_dir: dir,
+            reload_interval: args.webhook_cert_reload_interval,
+            self_signed,
+        }))
     }
-    tokio::spawn(
-        store
-            .clone()
-            .watch_dir(
-                dir.clone(),
-                args.webhook_cert_reload_interval,
-                shutdown.clone(),
-            )
-            .instrument(tracing::info_span!("webhook-tls")),
-    );
-    let mut handler = Handler::new(config.clone(), metrics);
-    if config.controller_url.starts_with("https://") {
-        handler = handler.with_controller_ca_file(dir.join(tls::CA_FILE));
+
+    /// The serving certificate (kept current), which the rule stream's TLS listener shares.
+    pub fn certs(&self) -> &Arc<CertStore> {
+        &self.store
     }
-    tokio::spawn(
-        serve(listener, tls, handler, shutdown).instrument(tracing::info_span!("webhook")),
-    );
-    Ok(Some(store))
+
+    /// The tasks to spawn, each stopping at `shutdown`.
+    pub fn tasks(self, client: &kube::Client, shutdown: &watch::Receiver<bool>) -> WebhookTasks {
+        let certs = self.self_signed.map(|cfg| -> Task {
+            let run = certs::run(client.clone(), cfg, self.store.clone(), shutdown.clone());
+            Box::pin(run.instrument(tracing::info_span!("webhook-certs")))
+        });
+        let reload =
+            self.store
+                .clone()
+                .watch_dir(self.cert_dir, self.reload_interval, shutdown.clone());
+        let server = serve(self.listener, self.tls, self.handler, shutdown.clone());
+        WebhookTasks {
+            certs,
+            reload: Box::pin(reload.instrument(tracing::info_span!("webhook-tls"))),
+            server: Box::pin(server.instrument(tracing::info_span!("webhook"))),
+        }
+    }
 }
 
 #[cfg(test)]
