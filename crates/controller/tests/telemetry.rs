@@ -223,91 +223,108 @@ async fn reconciles_status_writes_and_token_reviews_are_traced() {
             .await
             .unwrap();
         let spans = spans(&exports);
-        let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
-
-        let reconciles: Vec<&Span> = spans
-            .iter()
-            .filter(|s| s.name == "tollgate reconcile")
-            .collect();
-        assert_eq!(reconciles.len(), 2, "{names:?}");
-        let by_policy = |id: &str| {
-            *reconciles
-                .iter()
-                .find(|s| attr(s, "tollgate.policy").as_deref() == Some(id))
-                .unwrap_or_else(|| panic!("no reconcile span for {id}"))
-        };
-        let ok = by_policy("shop/limits");
-        assert_eq!(attr(ok, "k8s.namespace.name").as_deref(), Some("shop"));
-        assert_eq!(attr(ok, "tollgate.generation").as_deref(), Some("3"));
-        assert_eq!(attr(ok, "tollgate.outcome").as_deref(), Some("accepted"));
-        assert_eq!(attr(ok, "tollgate.rules").as_deref(), Some("2"));
-        assert_eq!(
-            attr(ok, "tollgate.changed").as_deref(),
-            Some("false"),
-            "no pods yet"
-        );
-        assert!(attr(ok, "tollgate.version").is_some());
-        let rejected = by_policy("shop/broken");
-        assert_eq!(attr(rejected, "tollgate.generation").as_deref(), Some("7"));
-        assert_eq!(
-            attr(rejected, "tollgate.outcome").as_deref(),
-            Some("rejected")
-        );
-        assert_eq!(attr(rejected, "tollgate.errors").as_deref(), Some("1"));
-        assert_eq!(
-            rejected.status.as_ref().map(|s| s.code),
-            Some(2),
-            "rejected reconciles are marked as errors"
-        );
-
-        let writes: Vec<&Span> = spans
-            .iter()
-            .filter(|s| s.name == "tollgate status write")
-            .collect();
-        assert_eq!(writes.len(), 2, "{names:?}");
-        for w in &writes {
-            assert_eq!(attr(w, "k8s.namespace.name").as_deref(), Some("shop"));
-            assert_eq!(attr(w, "http.request.method").as_deref(), Some("PATCH"));
-            assert_eq!(attr(w, "http.response.status_code").as_deref(), Some("200"));
-            assert_eq!(attr(w, "tollgate.outcome").as_deref(), Some("ok"));
-        }
-        let mut written: Vec<String> = writes
-            .iter()
-            .filter_map(|w| attr(w, "tollgate.policy"))
-            .collect();
-        written.sort();
-        assert_eq!(written, ["shop/broken", "shop/limits"]);
-        let events: Vec<&Span> = spans
-            .iter()
-            .filter(|s| s.name == "tollgate event")
-            .collect();
-        assert_eq!(events.len(), 1, "{names:?}");
-        assert_eq!(
-            attr(events[0], "http.response.status_code").as_deref(),
-            Some("201")
-        );
-
-        let reviews: Vec<&Span> = spans
-            .iter()
-            .filter(|s| s.name == "tollgate token review")
-            .collect();
-        assert_eq!(reviews.len(), 1, "cache hits make no call: {names:?}");
-        assert_eq!(
-            attr(reviews[0], "tollgate.outcome").as_deref(),
-            Some("authenticated")
-        );
-        assert_eq!(
-            attr(reviews[0], "k8s.namespace.name").as_deref(),
-            Some("shop")
-        );
-        assert_eq!(attr(reviews[0], "k8s.pod.name").as_deref(), Some("api-1"));
-        for s in &spans {
-            assert!(
-                !format!("{:?}", s.attributes).contains("secret-token"),
-                "tokens never reach traces"
-            );
-        }
+        check_reconcile_spans(&spans);
+        check_status_write_and_event_spans(&spans);
+        check_token_review_spans(&spans);
     })
     .await
     .expect("test timed out");
+}
+
+/// One reconcile span per policy, with its generation, outcome and rule count; a rejected
+/// policy's span is marked as an error.
+fn check_reconcile_spans(spans: &[Span]) {
+    let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
+
+    let reconciles: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.name == "tollgate reconcile")
+        .collect();
+    assert_eq!(reconciles.len(), 2, "{names:?}");
+    let by_policy = |id: &str| {
+        *reconciles
+            .iter()
+            .find(|s| attr(s, "tollgate.policy").as_deref() == Some(id))
+            .unwrap_or_else(|| panic!("no reconcile span for {id}"))
+    };
+    let ok = by_policy("shop/limits");
+    assert_eq!(attr(ok, "k8s.namespace.name").as_deref(), Some("shop"));
+    assert_eq!(attr(ok, "tollgate.generation").as_deref(), Some("3"));
+    assert_eq!(attr(ok, "tollgate.outcome").as_deref(), Some("accepted"));
+    assert_eq!(attr(ok, "tollgate.rules").as_deref(), Some("2"));
+    assert_eq!(
+        attr(ok, "tollgate.changed").as_deref(),
+        Some("false"),
+        "no pods yet"
+    );
+    assert!(attr(ok, "tollgate.version").is_some());
+    let rejected = by_policy("shop/broken");
+    assert_eq!(attr(rejected, "tollgate.generation").as_deref(), Some("7"));
+    assert_eq!(
+        attr(rejected, "tollgate.outcome").as_deref(),
+        Some("rejected")
+    );
+    assert_eq!(attr(rejected, "tollgate.errors").as_deref(), Some("1"));
+    assert_eq!(
+        rejected.status.as_ref().map(|s| s.code),
+        Some(2),
+        "rejected reconciles are marked as errors"
+    );
+}
+
+/// One status write per policy (PATCH, 200), and one Event for the rejected policy (201).
+fn check_status_write_and_event_spans(spans: &[Span]) {
+    let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
+    let writes: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.name == "tollgate status write")
+        .collect();
+    assert_eq!(writes.len(), 2, "{names:?}");
+    for w in &writes {
+        assert_eq!(attr(w, "k8s.namespace.name").as_deref(), Some("shop"));
+        assert_eq!(attr(w, "http.request.method").as_deref(), Some("PATCH"));
+        assert_eq!(attr(w, "http.response.status_code").as_deref(), Some("200"));
+        assert_eq!(attr(w, "tollgate.outcome").as_deref(), Some("ok"));
+    }
+    let mut written: Vec<String> = writes
+        .iter()
+        .filter_map(|w| attr(w, "tollgate.policy"))
+        .collect();
+    written.sort();
+    assert_eq!(written, ["shop/broken", "shop/limits"]);
+    let events: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.name == "tollgate event")
+        .collect();
+    assert_eq!(events.len(), 1, "{names:?}");
+    assert_eq!(
+        attr(events[0], "http.response.status_code").as_deref(),
+        Some("201")
+    );
+}
+
+/// One TokenReview span for two authentications (the second is cached), and no token in
+/// any span.
+fn check_token_review_spans(spans: &[Span]) {
+    let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
+    let reviews: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.name == "tollgate token review")
+        .collect();
+    assert_eq!(reviews.len(), 1, "cache hits make no call: {names:?}");
+    assert_eq!(
+        attr(reviews[0], "tollgate.outcome").as_deref(),
+        Some("authenticated")
+    );
+    assert_eq!(
+        attr(reviews[0], "k8s.namespace.name").as_deref(),
+        Some("shop")
+    );
+    assert_eq!(attr(reviews[0], "k8s.pod.name").as_deref(), Some("api-1"));
+    for s in spans {
+        assert!(
+            !format!("{:?}", s.attributes).contains("secret-token"),
+            "tokens never reach traces"
+        );
+    }
 }
