@@ -383,12 +383,32 @@ def test_kubectl_tollgate_status_top_and_why_on_real_pods():
     assert first["rule"] == "per-api-key" and first["rejected"] >= 15 and first["podCount"] >= 2, keys
     print(plugin("top", "shop-api-keys", "-n", APP_NS).stdout)
 
-    pod = next(p["metadata"]["name"] for p in pods(APP_NS, f"app={APP}") if ready(p))
-    why = plugin("why", "-n", APP_NS, "--pod", pod, "--path", "/", "--header", "x-api-key=customer-1")
+    target = next(p for p in pods(APP_NS, f"app={APP}") if ready(p))
+    pod = target["metadata"]["name"]
+    # The wait for top keys can outlast the refill (100/min): keep customer-1 drained at this
+    # pod while `why` runs, so its answer is about a limited key, as a support call would be.
+    with ThreadPoolExecutor(1) as pool:
+        draining = [True]
+
+        def drain():
+            while draining[0]:
+                try:
+                    get(target["status"]["podIP"], 8081, headers={"x-api-key": "customer-1"})
+                except OSError:
+                    pass  # judged by the answers below, not by the drain
+                time.sleep(0.05)
+        drained = pool.submit(drain)
+        try:
+            eventually("customer-1 refused at the pod", lambda: get(
+                target["status"]["podIP"], 8081, headers={"x-api-key": "customer-1"})[0] == 429, timeout=30)
+            why = plugin("why", "-n", APP_NS, "--pod", pod, "--path", "/", "--header", "x-api-key=customer-1")
+            answer = json.loads(plugin("why", "-n", APP_NS, "--pod", pod, "--header", "x-api-key=customer-1",
+                                       "-o", "json").stdout)
+        finally:
+            draining[0] = False
+            drained.result(timeout=30)
     print(why.stdout)
     assert "per-api-key" in why.stdout and expected in why.stdout, why.stdout
-    answer = json.loads(plugin("why", "-n", APP_NS, "--pod", pod, "--header", "x-api-key=customer-1",
-                               "-o", "json").stdout)
     rule = next(r for r in answer["rules"] if r["rule"] == "per-api-key")
     assert rule["matches"] and rule["outcome"] == "limited" and rule["keyHash"] == expected, rule
     assert rule["state"]["globalMode"] and rule["state"]["liveSidecars"] == int(total), rule
