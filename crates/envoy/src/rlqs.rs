@@ -42,6 +42,7 @@ use futures_util::Stream;
 use tollgate_crd::compiled::{Algorithm, FailureMode, Mode, Scope};
 use tollgate_limiter::{Clock, Nanos};
 
+use crate::metrics::QuotaMetrics;
 use crate::share::{Answer, Assignment, Book, Limit, Remote, StreamId, Usage};
 use tollgate_engine::keys::Descriptor;
 use tollgate_engine::rules::{Applies, RuleSet};
@@ -130,6 +131,8 @@ pub struct QuotaEdge {
 
 struct QuotaState {
     engine: Arc<Shared>,
+    /// The edge's own metrics, in the engine's registry.
+    metrics: QuotaMetrics,
     settings: QuotaSettings,
     book: parking_lot::Mutex<Book<BucketKey>>,
     streams: parking_lot::Mutex<HashMap<StreamId, StreamHandle>>,
@@ -137,10 +140,14 @@ struct QuotaState {
 }
 
 impl QuotaEdge {
+    /// The edge on `engine`, its metrics registered in the engine's registry (one RLQS edge
+    /// per engine: a name is registered once).
     pub fn new(engine: Arc<Shared>, settings: QuotaSettings) -> QuotaEdge {
+        let metrics = engine.metrics.register(QuotaMetrics::register);
         QuotaEdge {
             state: Arc::new(QuotaState {
                 engine,
+                metrics,
                 settings,
                 book: parking_lot::Mutex::new(Book::new()),
                 streams: parking_lot::Mutex::new(HashMap::new()),
@@ -170,7 +177,7 @@ impl RateLimitQuotaService for QuotaEdge {
                 ids: HashMap::new(),
             },
         );
-        self.state.engine.metrics.quota.streams.inc();
+        self.state.metrics.streams.inc();
         let state = Arc::clone(&self.state);
         tokio::spawn(async move {
             loop {
@@ -216,9 +223,9 @@ impl QuotaState {
         self.streams.lock().remove(&stream);
         let mut book = self.book.lock();
         book.leave(stream);
-        self.engine.metrics.quota.buckets.set(book.len() as i64);
+        self.metrics.buckets.set(book.len() as i64);
         drop(book);
-        self.engine.metrics.quota.streams.dec();
+        self.metrics.streams.dec();
     }
 
     /// Answers one report message: an action for every bucket in it, and pushes to other
@@ -267,13 +274,9 @@ impl QuotaState {
                 }
                 actions.push(action(id, answer, self.settings.assignment_ttl));
             }
-            self.engine.metrics.quota.buckets.set(book.len() as i64);
+            self.metrics.buckets.set(book.len() as i64);
         }
-        self.engine
-            .metrics
-            .quota
-            .reports
-            .inc_by(actions.len() as u64);
+        self.metrics.reports.inc_by(actions.len() as u64);
         self.send(
             stream,
             RateLimitQuotaResponse {
@@ -477,7 +480,7 @@ impl QuotaState {
         };
         if let Some(all) = replies.pop() {
             let fleet = i64::from(all.streams) + i64::from(streams);
-            self.engine.metrics.quota.fleet_streams.set(fleet);
+            self.metrics.fleet_streams.set(fleet);
         }
         let now = self.engine.clock.now();
         let mut book = self.book.lock();

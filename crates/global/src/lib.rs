@@ -59,13 +59,10 @@ pub struct GlobalMetrics {
     overadmission_bound: Family<RuleLabels, Gauge>,
 }
 
-impl GlobalMetrics {
-    #[allow(
-        clippy::too_many_lines,
-        reason = "a flat table of the global limiter's metrics: name, help and handle, one per entry"
-    )]
-    pub fn register(registry: &mut Registry) -> GlobalMetrics {
-        let m = GlobalMetrics {
+impl Default for GlobalMetrics {
+    /// Unregistered: [`GlobalMetrics::register_in`] lists them in a registry.
+    fn default() -> Self {
+        GlobalMetrics {
             lease_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 16)),
             lease_calls: Counter::default(),
             sync_rounds: Counter::default(),
@@ -80,7 +77,21 @@ impl GlobalMetrics {
             leased_keys: Gauge::default(),
             exact_mode: Family::default(),
             overadmission_bound: Family::default(),
-        };
+        }
+    }
+}
+
+impl GlobalMetrics {
+    /// New metrics, registered in `registry`.
+    pub fn register(registry: &mut Registry) -> GlobalMetrics {
+        let m = GlobalMetrics::default();
+        m.register_in(registry);
+        m
+    }
+
+    /// Registers these metrics in `registry` (the engine's, so one /metrics lists them all).
+    pub fn register_in(&self, registry: &mut Registry) {
+        let m = self;
         let r = registry;
         r.register(
             "lease_duration_seconds",
@@ -148,7 +159,6 @@ impl GlobalMetrics {
             "Keys with a local lease on this sidecar",
             m.leased_keys.clone(),
         );
-        m
     }
 
     pub fn redis_error(&self, kind: &'static str) {

@@ -27,6 +27,7 @@ use tokio::net::TcpListener;
 use tollgate_crd::compiled::KeySource;
 use tollgate_limiter::{Clock, Permit};
 
+use crate::metrics::ProxyMetrics;
 use crate::upstream::{Lease, Upstream};
 use tollgate_engine::keys;
 use tollgate_engine::response;
@@ -51,12 +52,16 @@ pub struct ProxyConfig {
 pub struct Proxy {
     pub engine: Arc<Shared>,
     pub config: ProxyConfig,
+    /// The proxy's own metrics, in the engine's registry.
+    metrics: ProxyMetrics,
     upstream: Upstream,
     /// `Host` for requests that arrive without one (HTTP/1.0, HTTP/2 without `:authority`).
     upstream_host: HeaderValue,
 }
 
 impl Proxy {
+    /// The proxy on `engine`, its metrics registered in the engine's registry (one proxy per
+    /// engine: a name is registered once).
     pub fn new(engine: Arc<Shared>, config: ProxyConfig) -> anyhow::Result<Proxy> {
         let scheme = config
             .upstream
@@ -83,9 +88,11 @@ impl Proxy {
         };
         let upstream_host = HeaderValue::from_str(&host_header)
             .map_err(|_| anyhow::anyhow!("--upstream {}: invalid host", config.upstream))?;
+        let metrics = engine.metrics.register(ProxyMetrics::register);
         Ok(Proxy {
             engine,
             config,
+            metrics,
             upstream: Upstream::new(format!("{host}:{port}")),
             upstream_host,
         })
@@ -386,7 +393,6 @@ async fn forward(
     )
     .await;
     shared
-        .engine
         .metrics
         .upstream_seconds
         .observe(shared.engine.clock.now().saturating_sub(t0) as f64 / 1e9);
@@ -429,7 +435,7 @@ fn upstream_failure(
             "The application behind the rate limiter could not be reached.",
         )
     };
-    shared.engine.metrics.upstream_error(kind);
+    shared.metrics.upstream_error(kind);
     if !verdict.settlements.is_empty() {
         let now = shared.engine.clock.now();
         rules.settle(

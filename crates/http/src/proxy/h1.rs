@@ -323,9 +323,8 @@ impl<'p> Connection<'p> {
         let answer = self
             .ask_app(wire::is_idempotent(&req.parts.method), head_only)
             .await;
-        let metrics = &proxy.engine.metrics;
         let elapsed = proxy.engine.clock.now().saturating_sub(t0);
-        metrics.upstream_seconds.observe(elapsed as f64 / 1e9);
+        proxy.metrics.upstream_seconds.observe(elapsed as f64 / 1e9);
         let head = match answer {
             Ok(head) => head,
             Err(failure) => {
