@@ -865,7 +865,7 @@ pub fn lease_reply(data: &[u8]) {
 
 fn check_lease_reply(v: &redis::Value) {
     let expected = match v {
-        redis::Value::Array(items) if items.len() == 6 => {
+        redis::Value::Array(items) if items.len() == 7 => {
             let n: Option<Vec<u64>> = items
                 .iter()
                 .map(|i| match i {
@@ -880,6 +880,7 @@ fn check_lease_reply(v: &redis::Value) {
                 retry_after_ms: n[3],
                 window: n[4],
                 ready_us: n[5],
+                blocked_ms: n[6],
             })
         }
         _ => None,
