@@ -31,7 +31,7 @@ pub struct AuditLog {
     adopted: parking_lot::Mutex<Option<String>>,
     /// Most-rejected keys, for `/debug/top-keys`.
     pub top: crate::topkeys::TopKeys,
-    /// The same, since the last report to the controller (`tollgate_sidecar::controller`), which drains
+    /// The same, since the last report to the controller (`tollgate_runtime::rule_stream`), which drains
     /// it; fed only once a reporter runs.
     pub unreported: crate::topkeys::TopKeys,
     reporting: std::sync::atomic::AtomicBool,

@@ -143,7 +143,7 @@ impl QuotaEdge {
     /// The edge on `engine`, its metrics registered in the engine's registry (one RLQS edge
     /// per engine: a name is registered once).
     pub fn new(engine: Arc<Shared>, settings: QuotaSettings) -> QuotaEdge {
-        let metrics = engine.metrics.register(QuotaMetrics::register);
+        let metrics = engine.metrics().register(QuotaMetrics::register);
         QuotaEdge {
             state: Arc::new(QuotaState {
                 engine,
@@ -236,7 +236,7 @@ impl QuotaState {
         reports: RateLimitQuotaUsageReports,
     ) -> Result<(), tonic::Status> {
         check_reports(&reports)?;
-        let rules = self.engine.rules.load_full();
+        let rules = self.engine.rules();
         let usages: Vec<(BucketId, Option<Target>, Usage)> = reports
             .bucket_quota_usages
             .into_iter()
@@ -255,7 +255,7 @@ impl QuotaState {
             })
             .collect();
         self.read_new_fleet_buckets(&usages).await;
-        let now = self.engine.clock.now();
+        let now = self.engine.clock().now();
         let mut actions = Vec::with_capacity(usages.len());
         let mut pushes = Vec::new();
         {
@@ -323,7 +323,7 @@ impl QuotaState {
     /// A new Global bucket is read from Redis before its first assignment, so it starts from
     /// the fleet's demand rather than from this replica's alone.
     async fn read_new_fleet_buckets(&self, usages: &[(BucketId, Option<Target>, Usage)]) {
-        let Some(global) = self.engine.global.get() else {
+        let Some(global) = self.engine.global() else {
             return;
         };
         let fresh: Vec<(BucketKey, ShareOp)> = {
@@ -359,7 +359,7 @@ impl QuotaState {
         let Ok(replies) = replies else {
             return;
         };
-        let now = self.engine.clock.now();
+        let now = self.engine.clock().now();
         let mut book = self.book.lock();
         for ((key, _), reply) in fresh.iter().zip(replies) {
             book.prime_remote(key, remote_of(reply, now));
@@ -420,10 +420,10 @@ impl QuotaState {
     /// per Global bucket and read the others'; then bring every stream to its fair part and
     /// push what changed.
     async fn sync_fleet(&self) {
-        if let Some(global) = self.engine.global.get() {
+        if let Some(global) = self.engine.global() {
             self.exchange(global).await;
         }
-        let now = self.engine.clock.now();
+        let now = self.engine.clock().now();
         let changed: Vec<_> = {
             let mut book = self.book.lock();
             let changed = book.rebalance();
@@ -482,7 +482,7 @@ impl QuotaState {
             let fleet = i64::from(all.streams) + i64::from(streams);
             self.metrics.fleet_streams.set(fleet);
         }
-        let now = self.engine.clock.now();
+        let now = self.engine.clock().now();
         let mut book = self.book.lock();
         for (key, reply) in keys.iter().zip(replies) {
             book.set_remote(key, remote_of(reply, now));

@@ -133,7 +133,7 @@ impl RateLimitService for RateLimitEdge {
     ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
         let request = request.into_inner();
         check_request(&request)?;
-        let rules = self.engine.rules.load_full();
+        let rules = self.engine.rules();
         let mut answer = RateLimitResponse {
             overall_code: Code::Ok as i32,
             ..RateLimitResponse::default()
@@ -177,8 +177,8 @@ impl RateLimitEdge {
         let rule = &rules.rules[rejection.limited.rule];
         with_refused_request(rules, rule, domain, |request| {
             self.engine
-                .audit
-                .rejected(rule, rejection, request, &self.engine.metrics);
+                .audit()
+                .rejected(rule, rejection, request, self.engine.metrics());
         });
     }
 
@@ -195,11 +195,11 @@ impl RateLimitEdge {
         let counted = rules.applies(ri, parts, &NO_PEER, &mut key)
             == tollgate_engine::rules::Applies::Counted;
         with_refused_request(rules, rule, domain, |request| {
-            self.engine.audit.unavailable(
+            self.engine.audit().unavailable(
                 rule,
                 counted.then_some(key.as_slice()),
                 request,
-                &self.engine.metrics,
+                self.engine.metrics(),
             );
         });
     }

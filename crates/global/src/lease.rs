@@ -76,6 +76,23 @@ pub struct GlobalRuntime {
     pub next_refill: AtomicU64,
 }
 
+impl GlobalRuntime {
+    /// The runtime of one process: `store` already carries its metrics (`Store::set_metrics`);
+    /// no sync has run, no membership was pushed, no refill is due.
+    pub fn new(store: Store, settings: LeaseSettings, metrics: GlobalMetrics) -> GlobalRuntime {
+        GlobalRuntime {
+            store,
+            settings,
+            metrics,
+            wake: tokio::sync::Notify::new(),
+            synced: tokio::sync::Notify::new(),
+            controller_members: arc_swap::ArcSwapOption::empty(),
+            sync_rtt: AtomicU64::new(0),
+            next_refill: AtomicU64::new(u64::MAX),
+        }
+    }
+}
+
 /// One key's local allowance.
 pub struct Slot {
     field: [u8; 16],

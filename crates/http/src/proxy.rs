@@ -88,7 +88,7 @@ impl Proxy {
         };
         let upstream_host = HeaderValue::from_str(&host_header)
             .map_err(|_| anyhow::anyhow!("--upstream {}: invalid host", config.upstream))?;
-        let metrics = engine.metrics.register(ProxyMetrics::register);
+        let metrics = engine.metrics().register(ProxyMetrics::register);
         Ok(Proxy {
             engine,
             config,
@@ -255,7 +255,7 @@ async fn handle_inner(
     req: Request<Incoming>,
     span: Option<&tracing::Span>,
 ) -> Response<ProxyBody> {
-    let rules = shared.engine.rules.load_full();
+    let rules = shared.engine.rules();
     let (parts, body) = req.into_parts();
     let verdict = shared.engine.decide(&rules, &parts, &peer).await;
     if let Some(span) = span {
@@ -323,8 +323,8 @@ fn audit_rejection(
     let request = refused_request(rules, ri, req, peer, span);
     shared
         .engine
-        .audit
-        .rejected(rule, rejection, &request, &shared.engine.metrics);
+        .audit()
+        .rejected(rule, rejection, &request, shared.engine.metrics());
 }
 
 /// The audit line of a fail-closed rule's 503. The verdict keeps no key for it, so the rule's
@@ -341,11 +341,11 @@ fn audit_unavailable(
     let counted =
         rules.applies(ri, req, peer, &mut key) == tollgate_engine::rules::Applies::Counted;
     let request = refused_request(rules, ri, req, peer, span);
-    shared.engine.audit.unavailable(
+    shared.engine.audit().unavailable(
         &rules.rules[ri],
         counted.then_some(key.as_slice()),
         &request,
-        &shared.engine.metrics,
+        shared.engine.metrics(),
     );
 }
 
@@ -386,7 +386,7 @@ async fn forward(
     if let Some(span) = span {
         telemetry::inject(span, upstream_req.headers_mut());
     }
-    let t0 = shared.engine.clock.now();
+    let t0 = shared.engine.clock().now();
     let result = tokio::time::timeout(
         shared.config.upstream_timeout,
         shared.upstream.send(upstream_req),
@@ -395,7 +395,7 @@ async fn forward(
     shared
         .metrics
         .upstream_seconds
-        .observe(shared.engine.clock.now().saturating_sub(t0) as f64 / 1e9);
+        .observe(shared.engine.clock().now().saturating_sub(t0) as f64 / 1e9);
     let (resp, lease) = match result {
         Ok(Ok(x)) => x,
         Ok(Err(e)) => {
@@ -405,7 +405,7 @@ async fn forward(
         Err(_) => return local(upstream_failure(&shared, &rules, &verdict, true)),
     };
     if !verdict.settlements.is_empty() {
-        let now = shared.engine.clock.now();
+        let now = shared.engine.clock().now();
         let status = resp.status().as_u16();
         rules.settle(&verdict.settlements, status, resp.headers(), now);
     }
@@ -437,7 +437,7 @@ fn upstream_failure(
     };
     shared.metrics.upstream_error(kind);
     if !verdict.settlements.is_empty() {
-        let now = shared.engine.clock.now();
+        let now = shared.engine.clock().now();
         rules.settle(
             &verdict.settlements,
             status.as_u16(),

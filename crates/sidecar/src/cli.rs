@@ -1,5 +1,6 @@
 //! Command line: `tollgate-sidecar [OPTIONS]` runs the proxy, `check` validates policies
-//! offline, `demo` runs the sidecar with an example policy in front of a built-in upstream.
+//! offline, `demo` runs the sidecar with an example policy in front of a built-in upstream;
+//! `--rate-limit-service` (deprecated) hands over to `tollgate-ratelimit`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -164,7 +165,11 @@ fn key_hash(secret_file: &std::path::Path, parts: &[String]) -> std::process::Ex
 
 /// Entry point of the binary.
 pub fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if crate::alias::requested(&argv) {
+        return crate::alias::exec(argv);
+    }
+    let cli = Cli::parse_from(argv);
     match cli.command {
         Some(Command::Check {
             mut paths,
@@ -182,8 +187,8 @@ pub fn main() -> std::process::ExitCode {
         Some(Command::Demo { listen, admin }) => {
             let mut args = cli.run;
             args.listen = listen;
-            args.admin = admin;
-            args.log_format = LogFormat::Text;
+            args.runtime.admin = admin;
+            args.runtime.log_format = LogFormat::Text;
             run_blocking(args, true)
         }
         None => run_blocking(cli.run, false),
@@ -191,59 +196,25 @@ pub fn main() -> std::process::ExitCode {
 }
 
 fn run_blocking(args: RunArgs, demo: bool) -> std::process::ExitCode {
-    init_logging(&args);
-    // One worker (the usual sidecar CPU budget) runs everything on one thread: no cross-thread
-    // wake-ups or work stealing on the request path. More workers use the multi-thread runtime.
-    let workers = match args.workers {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n,
-    };
-    let built = if workers == 1 {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-    } else {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(workers)
-            .enable_all()
-            .thread_name("tollgate")
-            .build()
-    };
-    let runtime = match built {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("tollgate-sidecar: cannot start runtime: {e}");
-            return std::process::ExitCode::FAILURE;
-        }
-    };
-    let result = runtime.block_on(async move {
+    tollgate_runtime::init_telemetry(&args.runtime, "tollgate-sidecar");
+    let workers = args.runtime.workers;
+    let result = tollgate_runtime::block_on(workers, async move {
         if demo {
             app::run_demo(args).await
         } else {
-            app::run(args, tollgate_telemetry::shutdown_signal())
-                .await
-                .map(|_| ())
+            app::run(args, tollgate_telemetry::shutdown_signal()).await
         }
     });
-    tollgate_telemetry::shutdown();
     match result {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
+        Ok(Ok(())) => std::process::ExitCode::SUCCESS,
+        Ok(Err(e)) => {
             tracing::error!(error = %format!("{e:#}"), "tollgate-sidecar failed");
             eprintln!("tollgate-sidecar: {e:#}");
             std::process::ExitCode::FAILURE
         }
-    }
-}
-
-fn init_logging(args: &RunArgs) {
-    if let Err(e) = tollgate_telemetry::init(
-        &args.log,
-        args.log_format == LogFormat::Json,
-        args.otlp_endpoint.as_deref(),
-        args.otlp_ca_file.as_deref(),
-        "tollgate-sidecar",
-    ) {
-        eprintln!("tollgate-sidecar: telemetry: {e}");
+        Err(e) => {
+            eprintln!("tollgate-sidecar: cannot start runtime: {e}");
+            std::process::ExitCode::FAILURE
+        }
     }
 }

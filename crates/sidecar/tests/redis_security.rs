@@ -29,6 +29,10 @@
     clippy::disallowed_types,
     reason = "test code: a failed unwrap is a failed test, and tests may block and sleep"
 )]
+#![allow(
+    clippy::too_many_lines,
+    reason = "a scenario test reads top to bottom as one story: setup, steps, checks"
+)]
 
 mod common;
 

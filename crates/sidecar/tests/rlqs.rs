@@ -1,4 +1,4 @@
-//! The RLQS edge (`--rate-limit-service`, `StreamRateLimitQuotas`) behind three real Envoy 1.40
+//! The RLQS edge (`tollgate-ratelimit`, `StreamRateLimitQuotas`) behind three real Envoy 1.40
 //! (`envoy.filters.http.rate_limit_quota`, the documented `docs/envoy/rlqs.yaml`) in front of
 //! one app, with a real Redis: a global limit split by demand across Envoys and server
 //! replicas, assignments that outlive a server restart until their TTL, and a second replica
@@ -46,11 +46,9 @@ spec:
 
 /// A tollgate RLQS server on `redis` with an assignment TTL.
 async fn server(redis: &Redis, failure: &str, ttl: &str) -> Sidecar {
-    Sidecar::start(
-        "",
+    Sidecar::start_ratelimit(
         &policy(failure),
         &[
-            "--rate-limit-service",
             "--redis",
             &redis.url(),
             "--rlqs-assignment-ttl",
@@ -329,7 +327,7 @@ async fn with_redis_down_a_fail_closed_rule_denies_and_a_fail_open_one_goes_on()
 async fn an_undecodable_usage_report_ends_the_stream_with_an_error() {
     use http_body_util::BodyExt as _;
     within(60, async {
-        let service = Sidecar::start("", &roomy_policy(), &["--rate-limit-service"]).await;
+        let service = Sidecar::start_ratelimit(&roomy_policy(), &[]).await;
         let tcp = tokio::net::TcpStream::connect(service.listen).await.unwrap();
         let (mut sender, conn) = hyper::client::conn::http2::handshake(
             hyper_util::rt::TokioExecutor::new(),

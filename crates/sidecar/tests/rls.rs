@@ -1,4 +1,4 @@
-//! The Envoy rate limit service edge (`--rate-limit-service`, RLS v3) behind a real Envoy 1.40
+//! The Envoy rate limit service edge (`tollgate-ratelimit`, RLS v3) behind a real Envoy 1.40
 //! (`envoy.filters.http.ratelimit`, descriptors from `rate_limits` actions) in front of an app:
 //! exact counts for a small per-key limit, the RateLimit fields and the 429 body reaching the
 //! client, a request's cost set the documented way (the filter state Envoy sends as
@@ -94,7 +94,7 @@ fn envoy_with(app: u16, rls: u16, more: &[(&str, String)]) -> Envoy {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_enforces_a_descriptor_rule_through_the_rate_limit_service() {
     let app = Upstream::start().await;
-    let service = Sidecar::start("", POLICY, &["--rate-limit-service"]).await;
+    let service = Sidecar::start_ratelimit(POLICY, &[]).await;
     let envoy = envoy(app.addr.port(), service.listen.port());
     let client = client();
     let url = envoy.url("/orders");
@@ -191,7 +191,7 @@ fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
 
 #[tokio::test]
 async fn grpc_callers_get_per_descriptor_statuses_hits_as_cost_and_clear_errors() {
-    let service = Sidecar::start("", POLICY, &["--rate-limit-service"]).await;
+    let service = Sidecar::start_ratelimit(POLICY, &[]).await;
     let mut rls = RateLimitServiceClient::connect(format!("http://{}", service.listen))
         .await
         .unwrap();
@@ -267,12 +267,7 @@ async fn a_global_limit_holds_within_one_percent_across_three_envoys() {
     let redis = Redis::start();
     let app = Upstream::start().await;
     let policy = global_policy(300, "Open");
-    let service = Sidecar::start(
-        "",
-        &policy,
-        &["--rate-limit-service", "--redis", &redis.url()],
-    )
-    .await;
+    let service = Sidecar::start_ratelimit(&policy, &["--redis", &redis.url()]).await;
     let envoys: Vec<Envoy> = (0..3)
         .map(|_| envoy(app.addr.port(), service.listen.port()))
         .collect();
@@ -308,18 +303,10 @@ async fn a_global_limit_holds_within_one_percent_across_three_envoys() {
 async fn with_redis_down_each_rule_keeps_its_failure_mode_without_waiting() {
     let mut redis = Redis::start();
     let app = Upstream::start().await;
-    let open = Sidecar::start(
-        "",
-        &global_policy(1000, "Open"),
-        &["--rate-limit-service", "--redis", &redis.url()],
-    )
-    .await;
-    let closed = Sidecar::start(
-        "",
-        &global_policy(1000, "Closed"),
-        &["--rate-limit-service", "--redis", &redis.url()],
-    )
-    .await;
+    let open =
+        Sidecar::start_ratelimit(&global_policy(1000, "Open"), &["--redis", &redis.url()]).await;
+    let closed =
+        Sidecar::start_ratelimit(&global_policy(1000, "Closed"), &["--redis", &redis.url()]).await;
     let via_open = envoy(app.addr.port(), open.listen.port());
     let via_closed = envoy(app.addr.port(), closed.listen.port());
     // Both serve while Redis is up; then Redis goes away for good.
@@ -405,7 +392,7 @@ fn assert_service_answered(envoy: &Envoy) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_sends_a_request_cost_from_the_documented_filter_state() {
     let app = Upstream::start().await;
-    let service = Sidecar::start("", POLICY, &["--rate-limit-service"]).await;
+    let service = Sidecar::start_ratelimit(POLICY, &[]).await;
     let envoy = envoy(app.addr.port(), service.listen.port());
     let client = client();
     let send = |key: &'static str, cost: Option<&'static str>| {
@@ -443,7 +430,7 @@ async fn envoys_x_ratelimit_reset_agrees_with_the_ratelimit_field() {
         "limit: {requests: 5, period: 1m}",
         "limit: {requests: 3, period: 36s, algorithm: TokenBucket}",
     );
-    let service = Sidecar::start("", &policy, &["--rate-limit-service"]).await;
+    let service = Sidecar::start_ratelimit(&policy, &[]).await;
     let x_headers = (
         "failure_mode_deny: false",
         "failure_mode_deny: false\n                      enable_x_ratelimit_headers: DRAFT_VERSION_03"
@@ -472,4 +459,30 @@ async fn envoys_x_ratelimit_reset_agrees_with_the_ratelimit_field() {
     }
     assert_eq!(seen.iter().filter(|s| s.0 == 429).count(), 2, "{seen:?}");
     drop(envoy);
+}
+
+/// `tollgate-sidecar --rate-limit-service` (the alias kept for one release) warns and hands
+/// over to `tollgate-ratelimit` next to it, which serves RLS with the other flags as given.
+#[tokio::test]
+async fn the_deprecated_sidecar_flag_still_serves_rls_through_tollgate_ratelimit() {
+    ratelimit_bin(); // Built next to tollgate-sidecar, where the alias looks first.
+    let service = Sidecar::start("", POLICY, &["--rate-limit-service"]).await;
+    let logs = service.logs().join("\n");
+    assert!(
+        logs.contains("--rate-limit-service is deprecated"),
+        "{logs}"
+    );
+    let mut rls = RateLimitServiceClient::connect(format!("http://{}", service.listen))
+        .await
+        .unwrap();
+    let orders = || descriptor(&[("route", "checkout"), ("api_key", "alias")]);
+    let call = |hits: u32| RateLimitRequest {
+        domain: "shop".into(),
+        descriptors: vec![orders()],
+        hits_addend: hits,
+    };
+    let first = rls.should_rate_limit(call(5)).await.unwrap().into_inner();
+    assert_eq!(first.overall_code, Code::Ok as i32, "{first:?}");
+    let second = rls.should_rate_limit(call(1)).await.unwrap().into_inner();
+    assert_eq!(second.overall_code, Code::OverLimit as i32, "{second:?}");
 }

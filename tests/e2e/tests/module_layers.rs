@@ -15,9 +15,10 @@ const CRATE_LAYERS: &[&[&str]] = &[
     &["tollgate-limiter", "tollgate-crd", "tollgate-telemetry"],
     &["tollgate-global"],
     &["tollgate-engine"],
-    &["tollgate-http", "tollgate-envoy"],
+    &["tollgate-http", "tollgate-envoy", "tollgate-runtime"],
     &[
         "tollgate-sidecar",
+        "tollgate-ratelimit",
         "tollgate-controller",
         "kubectl-tollgate",
     ],

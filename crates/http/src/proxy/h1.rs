@@ -247,7 +247,7 @@ impl<'p> Connection<'p> {
 
     async fn decide_and_answer(&mut self, mut req: Incoming, span: Option<&tracing::Span>) -> bool {
         let proxy = self.proxy;
-        let rules = proxy.engine.rules.load_full();
+        let rules = proxy.engine.rules();
         let verdict = proxy.engine.decide(&rules, &req.parts, &self.peer).await;
         if let Some(span) = span {
             super::record_decision(span, &rules, &verdict);
@@ -319,11 +319,11 @@ impl<'p> Connection<'p> {
         }
         wire::encode_request(&mut self.out, &req.parts, &req.body);
         let head_only = req.parts.method == Method::HEAD;
-        let t0 = proxy.engine.clock.now();
+        let t0 = proxy.engine.clock().now();
         let answer = self
             .ask_app(wire::is_idempotent(&req.parts.method), head_only)
             .await;
-        let elapsed = proxy.engine.clock.now().saturating_sub(t0);
+        let elapsed = proxy.engine.clock().now().saturating_sub(t0);
         proxy.metrics.upstream_seconds.observe(elapsed as f64 / 1e9);
         let head = match answer {
             Ok(head) => head,
@@ -339,7 +339,7 @@ impl<'p> Connection<'p> {
             && let Some(app) = &self.app
         {
             let headers = head.header_map(&app.input);
-            let now = proxy.engine.clock.now();
+            let now = proxy.engine.clock().now();
             rules.settle(&verdict.settlements, head.status, &headers, now);
         }
         self.relay(rules, verdict, &head, req.close).await

@@ -1,5 +1,6 @@
-//! Support for the sidecar's integration tests: the real `tollgate-sidecar` binary as a child
-//! process, an in-test upstream application, policy builders and small HTTP helpers.
+//! Support for the sidecar's integration tests: the real `tollgate-sidecar` binary (or the rate
+//! limit service, `tollgate-ratelimit`) as a child process, an in-test upstream application,
+//! policy builders and small HTTP helpers.
 //!
 //! Everything listens on 127.0.0.1 with ports chosen by the kernel. The sidecar's bound
 //! addresses come from its JSON start-up log line; its stderr keeps being drained in the
@@ -35,6 +36,50 @@ pub use tollgate_testkit::{Redis, free_port};
 
 /// Path of the binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_tollgate-sidecar");
+
+/// Path of `tollgate-ratelimit`, in the same target directory as [`BIN`] (where the
+/// `--rate-limit-service` alias finds it too). Cargo builds only this package's binaries for
+/// its tests, so the first call builds it (quick when it is up to date).
+pub fn ratelimit_bin() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let bin = Path::new(BIN).with_file_name("tollgate-ratelimit");
+            let profile_dir = Path::new(BIN).parent().expect("profile dir");
+            let target_dir = profile_dir.parent().expect("target dir");
+            let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../Cargo.toml");
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+            let mut cmd = Command::new(cargo);
+            cmd.args([
+                "build",
+                "--quiet",
+                "-p",
+                "tollgate-ratelimit",
+                "--manifest-path",
+            ])
+            .arg(&manifest)
+            .arg("--target-dir")
+            .arg(target_dir);
+            match profile_dir.file_name().and_then(|n| n.to_str()) {
+                Some("debug") => {}
+                Some("release") => {
+                    cmd.arg("--release");
+                }
+                Some(profile) => {
+                    cmd.args(["--profile", profile]);
+                }
+                None => {}
+            }
+            let status = cmd.status().expect("run cargo build -p tollgate-ratelimit");
+            assert!(
+                status.success(),
+                "cargo build -p tollgate-ratelimit: {status}"
+            );
+            assert!(bin.is_file(), "{} was not built", bin.display());
+            bin
+        })
+        .clone()
+}
 
 /// How long the sidecar may take to log that it started (debug build on a busy machine).
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -148,21 +193,40 @@ impl Sidecar {
     /// (an empty `upstream` passes no `--upstream`: the rate limit service edge).
     /// Blocks until it has logged its bound addresses.
     pub fn start_blocking(upstream: &str, policy_yaml: &str, extra: &[String]) -> Sidecar {
-        Sidecar::start_inner(upstream, Some(policy_yaml), extra)
+        Sidecar::start_inner(Path::new(BIN), upstream, Some(policy_yaml), extra)
+    }
+
+    /// Starts the rate limit service (`tollgate-ratelimit`) enforcing `policy_yaml`, with
+    /// extra arguments; returns once it has logged its bound addresses.
+    pub async fn start_ratelimit(policy_yaml: &str, extra: &[&str]) -> Sidecar {
+        let policy_yaml = policy_yaml.to_string();
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        tokio::task::spawn_blocking(move || {
+            Sidecar::start_inner(&ratelimit_bin(), "", Some(&policy_yaml), &extra)
+        })
+        .await
+        .expect("rate limit service start panicked")
     }
 
     /// Starts the sidecar without `--policies` (the rule source is in `extra`).
     pub async fn start_with_source(upstream: &str, extra: &[&str]) -> Sidecar {
         let upstream = upstream.to_string();
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-        tokio::task::spawn_blocking(move || Sidecar::start_inner(&upstream, None, &extra))
-            .await
-            .expect("sidecar start panicked")
+        tokio::task::spawn_blocking(move || {
+            Sidecar::start_inner(Path::new(BIN), &upstream, None, &extra)
+        })
+        .await
+        .expect("sidecar start panicked")
     }
 
-    fn start_inner(upstream: &str, policy_yaml: Option<&str>, extra: &[String]) -> Sidecar {
+    fn start_inner(
+        program: &Path,
+        upstream: &str,
+        policy_yaml: Option<&str>,
+        extra: &[String],
+    ) -> Sidecar {
         let dir = tempfile::tempdir().expect("temp dir");
-        let mut cmd = Command::new(BIN);
+        let mut cmd = Command::new(program);
         if let Some(yaml) = policy_yaml {
             std::fs::write(dir.path().join("policy.yaml"), yaml).expect("write policy");
             cmd.arg("--policies").arg(dir.path());
@@ -185,7 +249,7 @@ impl Sidecar {
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
-            .expect("spawn tollgate-sidecar");
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", program.display()));
         let pid = child.id();
         let stderr = child.stderr.take().expect("stderr piped");
         let logs = Arc::new(Mutex::new(Vec::new()));
@@ -413,10 +477,12 @@ impl Drop for Sidecar {
     }
 }
 
-/// Parses the JSON start-up line: `{"message":"tollgate-sidecar started","listen":..,"admin":..}`.
+/// Parses the JSON start-up line: `{"message":"tollgate-sidecar started","listen":..,"admin":..}`
+/// (`tollgate-ratelimit started` for the rate limit service).
 pub fn started_line(line: &str) -> Option<(SocketAddr, SocketAddr)> {
     let v: serde_json::Value = serde_json::from_str(line).ok()?;
-    if v.get("message")?.as_str()? != "tollgate-sidecar started" {
+    let message = v.get("message")?.as_str()?;
+    if message != "tollgate-sidecar started" && message != "tollgate-ratelimit started" {
         return None;
     }
     let listen = v.get("listen")?.as_str()?.parse().ok()?;
@@ -696,6 +762,11 @@ impl Drop for InFlight {
     }
 }
 
+/// The test app's answer per path: one arm per behaviour the tests ask for.
+#[allow(
+    clippy::too_many_lines,
+    reason = "a flat table of the test app's paths reads better than one helper per arm"
+)]
 async fn upstream_handle(st: Arc<UpstreamState>, req: Request<Incoming>) -> Response<UpBody> {
     st.hits.fetch_add(1, Ordering::SeqCst);
     match req.uri().path() {

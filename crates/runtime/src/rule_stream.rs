@@ -76,21 +76,19 @@ impl Startup {
     fn refused(&mut self, refused: bool, config: &ControllerConfig, shared: &Shared) {
         self.identity_refused = refused;
         shared
-            .metrics
+            .metrics()
             .controller_stream_refused
             .set(i64::from(refused));
-        if refused && shared.metrics.rules_passthrough.get() == 1 {
-            shared.metrics.rules_passthrough.set(0);
-            shared
-                .ready
-                .store(false, std::sync::atomic::Ordering::Release);
+        if refused && shared.metrics().rules_passthrough.get() == 1 {
+            shared.metrics().rules_passthrough.set(0);
+            shared.set_ready(false);
             tracing::error!(controller = %config.url, "the controller refuses this pod's identity: no longer ready without rules (--without-rules=pass-through covers an unreachable controller, not a refused one)");
         }
     }
 
     /// The stream failed before any rules arrived: enforce the cached set, once, if usable.
     fn try_cache(&mut self, config: &ControllerConfig, shared: &Shared, apply: &dyn Apply) {
-        if self.cache_tried || shared.ready.load(std::sync::atomic::Ordering::Acquire) {
+        if self.cache_tried || shared.is_ready() {
             return;
         }
         self.cache_tried = true;
@@ -105,7 +103,7 @@ impl Startup {
                     Ok(()) => {
                         // The last membership seen keeps fail-open shares near their size.
                         apply.members(cached.members);
-                        shared.metrics.rules_from_cache.set(1);
+                        shared.metrics().rules_from_cache.set(1);
                         self.settled = true;
                         tracing::warn!(version, age_seconds = age, cache = %path, "controller unreachable: enforcing the rules this pod last received until the stream is back");
                     }
@@ -123,7 +121,7 @@ impl Startup {
     fn wait_over(&mut self, config: &ControllerConfig, shared: &Shared, apply: &dyn Apply) {
         self.try_cache(config, shared, apply);
         self.settled = true;
-        if shared.ready.load(std::sync::atomic::Ordering::Acquire) {
+        if shared.is_ready() {
             return;
         }
         if self.identity_refused {
@@ -132,10 +130,8 @@ impl Startup {
         }
         match config.without_rules {
             WithoutRules::PassThrough => {
-                shared.metrics.rules_passthrough.set(1);
-                shared
-                    .ready
-                    .store(true, std::sync::atomic::Ordering::Release);
+                shared.metrics().rules_passthrough.set(1);
+                shared.set_ready(true);
                 tracing::warn!(waited = ?config.rules_wait, controller = %config.url, "no rules from the controller: ready, forwarding every request without limits until rules arrive (--without-rules=pass-through)");
             }
             WithoutRules::Unready => {
@@ -311,7 +307,7 @@ pub async fn run(
             return;
         }
     };
-    shared.audit.start_reporting();
+    shared.audit().start_reporting();
     let current: CurrentSession = Arc::default();
     tokio::spawn(report_top_keys(
         Arc::clone(&current),
@@ -355,12 +351,12 @@ pub async fn run(
         health.failed(&e);
         if ended.cause == EndCause::Refused {
             tracing::error!(error = %e, controller = %config.url, "the controller refuses this pod's rule stream (401/403, its answer says why: usually the token's audience against the controller's --token-audience, or a plain http:// URL where it serves TLS only); no new rules until it accepts it");
-        } else if shared.ready.load(std::sync::atomic::Ordering::Acquire) {
+        } else if shared.is_ready() {
             tracing::warn!(error = %e, controller = %config.url, "rule stream interrupted; enforcing the last-known-good rules");
         } else {
             tracing::warn!(error = %e, hint = hint(&e), controller = %config.url, "rule stream unavailable; not ready until the first rules arrive");
         }
-        shared.metrics.controller_connected.set(0);
+        shared.metrics().controller_connected.set(0);
         tokio::time::sleep(backoff.next()).await;
     }
 }
@@ -377,7 +373,7 @@ fn watch_path(config: &ControllerConfig, shared: &Shared, held: Option<&(String,
         q.append_pair("since", &version.to_string())
             .append_pair("epoch", epoch);
     }
-    if shared.global.get().is_none() {
+    if shared.global().is_none() {
         // Global rules are enforced per sidecar here: the controller's status says so.
         q.append_pair("redis", "false");
     }
@@ -437,8 +433,8 @@ async fn stream_once(
         Ok(s) => s,
         Err(ended) => return ended,
     };
-    shared.metrics.controller_connected.set(1);
-    shared.metrics.controller_stream_refused.set(0);
+    shared.metrics().controller_connected.set(1);
+    shared.metrics().controller_stream_refused.set(0);
     health.connected();
     tracing::info!(controller = %config.url, "rule stream connected");
     let interrupted = |e: String| Ended::new(EndCause::Interrupted, e);
@@ -476,7 +472,7 @@ async fn stream_once(
                     key_hash_secret,
                 } => {
                     if let Some(secret) = &key_hash_secret {
-                        shared.audit.adopt_controller_secret(secret);
+                        shared.audit().adopt_controller_secret(secret);
                     }
                     if applied_here.as_ref() == Some(&(epoch.clone(), version)) {
                         // The same rules sent again on this stream for a rotated key-hash
@@ -564,14 +560,14 @@ async fn on_snapshot(
         .map(|c| (c.clone(), s.policies.clone(), s.members.clone()));
     if let Err(e) = apply.rules(s.version, s.policies) {
         // Keep the rules in force; the controller's status shows the policy.
-        shared.metrics.config_errors.inc();
+        shared.metrics().config_errors.inc();
         tracing::error!(error = %e, version = s.version, "snapshot refused; keeping the last good rules");
         return Ok(());
     }
-    shared.metrics.rules_from_cache.set(0);
-    shared.metrics.rules_passthrough.set(0);
+    shared.metrics().rules_from_cache.set(0);
+    shared.metrics().rules_passthrough.set(0);
     apply.members(s.members);
-    shared.metrics.controller_version.set(s.version as i64);
+    shared.metrics().controller_version.set(s.version as i64);
     let acked = ack(session, config, &s.epoch, s.version).await;
     *held = Some((s.epoch, s.version));
     // After the ack: the file sync must not delay propagation.
@@ -842,7 +838,7 @@ async fn report_top_keys(current: CurrentSession, config: ControllerConfig, shar
     ticks.tick().await;
     loop {
         ticks.tick().await;
-        merge_reported(&mut pending, shared.audit.unreported.take());
+        merge_reported(&mut pending, shared.audit().unreported.take());
         if pending.is_empty() {
             continue;
         }

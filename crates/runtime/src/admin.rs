@@ -11,7 +11,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 
-use crate::controller::StreamHealth;
+use crate::rule_stream::StreamHealth;
 use tollgate_engine::shared::{Shared, is_ready};
 
 /// The rule stream being reported on, in controller mode.
@@ -97,70 +97,11 @@ fn route(
             Some(s) => json(&s.health.to_json(&s.controller)),
             None => json(&serde_json::json!({ "controller": null, "standalone": true })),
         },
-        "/metrics" => {
-            let rules = shared.rules.load();
-            shared.metrics.active_keys.set(rules.active_keys() as i64);
-            shared.metrics.key_overflow_decisions.set(
-                rules
-                    .rules
-                    .iter()
-                    .map(|r| r.limiter.overflow_decisions())
-                    .sum::<u64>() as i64,
-            );
-            let mut resp = Response::new(Full::new(Bytes::from(shared.metrics.encode())));
-            resp.headers_mut().insert(
-                http::header::CONTENT_TYPE,
-                HeaderValue::from_static(
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                ),
-            );
-            resp
-        }
-        "/debug/rules" => {
-            let rules = shared.rules.load();
-            let policies: Vec<_> = rules.policies.iter().map(|p| &p.compiled).collect();
-            let backend = if shared.global.get().is_some() {
-                tollgate_crd::compiled::GlobalBackend::Redis
-            } else {
-                tollgate_crd::compiled::GlobalBackend::None
-            };
-            let described: Vec<String> = rules
-                .rules
-                .iter()
-                .map(|r| r.rule.describe_where(backend))
-                .collect();
-            // How each global rule runs now: leased or exact per request, and why.
-            let global: Vec<serde_json::Value> = rules
-                .rules
-                .iter()
-                .filter_map(|r| r.global.as_ref())
-                .map(|g| {
-                    let (mode, why) = g.mode();
-                    let largest = g.largest_allowance();
-                    serde_json::json!({
-                        "policy": g.policy_id,
-                        "rule": g.rule_id,
-                        "mode": mode,
-                        "why": why,
-                        "liveSidecars": g.live_sidecars(),
-                        "largestAllowance": largest,
-                        "overAdmissionBound": largest * u64::from(g.live_sidecars()),
-                    })
-                })
-                .collect();
-            json(&serde_json::json!({
-                "version": rules.version,
-                "wireVersion": tollgate_crd::WIRE_VERSION,
-                "policies": policies,
-                "rules": described,
-                "globalModes": global,
-                "globalRulesEnforcedLocally": rules.local_fallback_rules,
-                "configError": shared.config_error.load().as_deref(),
-            }))
-        }
+        "/metrics" => metrics(shared),
+        "/debug/rules" => debug_rules(shared),
         "/debug/top-keys" => {
             let top: Vec<serde_json::Value> = shared
-                .audit
+                .audit()
                 .top
                 .snapshot()
                 .into_iter()
@@ -177,14 +118,77 @@ fn route(
             json(&serde_json::json!({ "topKeys": top }))
         }
         "/debug/config" => json(&serde_json::json!({
-            "version": shared.rules.load().version,
-            "keyIdentity": shared.audit.identity_source(),
-            "configError": shared.config_error.load().as_deref(),
+            "version": shared.rules().version,
+            "keyIdentity": shared.audit().identity_source(),
+            "configError": shared.config_error().as_deref().map(String::as_str),
             // Secrets are never shown: the URL is redacted, files are named, not read.
-            "redis": shared.global.get().map(|g| g.store.describe()),
+            "redis": shared.global().map(|g| g.store.describe()),
         })),
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
     }
+}
+
+/// `/metrics`, with the gauges read at scrape time brought up to date first.
+fn metrics(shared: &Shared) -> Response<Full<Bytes>> {
+    let rules = shared.rules();
+    shared.metrics().active_keys.set(rules.active_keys() as i64);
+    shared.metrics().key_overflow_decisions.set(
+        rules
+            .rules
+            .iter()
+            .map(|r| r.limiter.overflow_decisions())
+            .sum::<u64>() as i64,
+    );
+    let mut resp = Response::new(Full::new(Bytes::from(shared.metrics().encode())));
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
+    resp
+}
+
+/// `/debug/rules`: the rule set in force, each rule in words, and how each global rule runs.
+fn debug_rules(shared: &Shared) -> Response<Full<Bytes>> {
+    let rules = shared.rules();
+    let policies: Vec<_> = rules.policies.iter().map(|p| &p.compiled).collect();
+    let backend = if shared.global().is_some() {
+        tollgate_crd::compiled::GlobalBackend::Redis
+    } else {
+        tollgate_crd::compiled::GlobalBackend::None
+    };
+    let described: Vec<String> = rules
+        .rules
+        .iter()
+        .map(|r| r.rule.describe_where(backend))
+        .collect();
+    // How each global rule runs now: leased or exact per request, and why.
+    let global: Vec<serde_json::Value> = rules
+        .rules
+        .iter()
+        .filter_map(|r| r.global.as_ref())
+        .map(|g| {
+            let (mode, why) = g.mode();
+            let largest = g.largest_allowance();
+            serde_json::json!({
+                "policy": g.policy_id,
+                "rule": g.rule_id,
+                "mode": mode,
+                "why": why,
+                "liveSidecars": g.live_sidecars(),
+                "largestAllowance": largest,
+                "overAdmissionBound": largest * u64::from(g.live_sidecars()),
+            })
+        })
+        .collect();
+    json(&serde_json::json!({
+        "version": rules.version,
+        "wireVersion": tollgate_crd::WIRE_VERSION,
+        "policies": policies,
+        "rules": described,
+        "globalModes": global,
+        "globalRulesEnforcedLocally": rules.local_fallback_rules,
+        "configError": shared.config_error().as_deref().map(String::as_str),
+    }))
 }
 
 /// `PUT /debug/log-level` with a filter such as `debug` or `info,tollgate::audit=off` changes the
