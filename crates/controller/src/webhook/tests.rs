@@ -316,3 +316,78 @@ async fn serves_https_and_picks_up_a_new_certificate() {
     served(b.cert_pem.clone()).await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// At shutdown the server stops accepting, and a review already in flight is still answered
+/// before `serve` returns.
+#[tokio::test]
+async fn a_review_in_flight_at_shutdown_is_answered() {
+    let dir = std::env::temp_dir().join(format!("tollgate-webhook-drain-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let sans = vec!["127.0.0.1".to_string()];
+    let a = Bundle::issue(Renewal::NewCa("test"), None, &sans, SystemTime::now()).unwrap();
+    tls::write_if_changed(&dir, tls::CERT_FILE, a.cert_pem.as_bytes(), 0o644).unwrap();
+    tls::write_if_changed(&dir, tls::KEY_FILE, a.key_pem.as_bytes(), 0o600).unwrap();
+    let store = CertStore::new();
+    assert!(store.load_dir(&dir).unwrap());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = watch::channel(false);
+    let cfg = Arc::new(tls::server_config(store).unwrap());
+    let server = tokio::spawn(serve(listener, cfg, handler(), rx));
+
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls::pki_types::CertificateDer::pem_slice_iter(a.ca_pem.as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let mut tls = connector.connect(name, tcp).await.unwrap();
+    let body = review(
+        PATH_VALIDATE_POLICY,
+        ("tollgate.dev", "v1alpha1", "RateLimitPolicy"),
+        "CREATE",
+        json!({"apiVersion":"tollgate.dev/v1alpha1","kind":"RateLimitPolicy",
+            "metadata":{"name":"p","namespace":"shop"},"spec":{}}),
+    );
+    let head = format!(
+        "POST {PATH_VALIDATE_POLICY} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let (first, rest) = body.split_at(body.len() / 2);
+    tls.write_all(head.as_bytes()).await.unwrap();
+    tls.write_all(first).await.unwrap();
+    tls.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    tx.send_replace(true);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !server.is_finished(),
+        "the server waits for the review in flight"
+    );
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "no new connection is accepted"
+    );
+    tls.write_all(rest).await.unwrap();
+    let mut out = String::new();
+    tls.read_to_string(&mut out).await.unwrap();
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    assert!(
+        out.contains("\"uid\":\"uid-/validate-ratelimitpolicy\""),
+        "{out}"
+    );
+    tokio::time::timeout(Duration::from_secs(2), server)
+        .await
+        .expect("serve returns once the review is answered")
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
