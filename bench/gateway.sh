@@ -3,7 +3,7 @@
 # the same Envoy binary, the same redis-server and the same limits:
 #   baseline       Envoy, no limiter
 #   ratelimit      Envoy + envoy.filters.http.ratelimit -> envoyproxy/ratelimit -> Redis
-#   tollgate-rls   Envoy + envoy.filters.http.ratelimit -> tollgate-sidecar --rate-limit-service
+#   tollgate-rls   Envoy + envoy.filters.http.ratelimit -> tollgate-ratelimit
 #   tollgate-rlqs  Envoy + envoy.filters.http.rate_limit_quota -> the same tollgate process
 # See bench/README.md ("gateway").
 #
@@ -85,8 +85,8 @@ export RATELIMIT_SOURCE="envoyproxy/ratelimit $RATELIMIT_VERSION (tools/peers)"
 if [[ ",$PATHS," == *",tollgate-"* ]]; then
     if [[ -z "${SIDECAR_BIN:-}" ]]; then
         if [[ "${SKIP_BUILD:-0}" == 0 ]]; then
-            say "cargo build --release -p tollgate-sidecar"
-            cargo build --release -p tollgate-sidecar >&2 || {
+            say "cargo build --release -p tollgate-sidecar -p tollgate-ratelimit"
+            cargo build --release -p tollgate-sidecar -p tollgate-ratelimit >&2 || {
                 say "build failed (crates/ may be mid-edit); SKIP_BUILD=1 runs the existing binary"
                 exit 1
             }
@@ -94,15 +94,16 @@ if [[ ",$PATHS," == *",tollgate-"* ]]; then
         SIDECAR_BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release/tollgate-sidecar
     fi
     [[ -x "$SIDECAR_BIN" ]] || { say "no sidecar binary at $SIDECAR_BIN"; exit 1; }
-    # Not `--help | grep -q`: grep's early exit would fail the pipeline under pipefail.
-    help=$("$SIDECAR_BIN" --help 2>&1 || true)
-    [[ "$help" == *--rate-limit-service* ]] || {
-        say "$SIDECAR_BIN has no --rate-limit-service; PATHS=baseline,ratelimit runs without it"
+    # The rate limit service is its own binary, next to the sidecar (`check` stays the sidecar's).
+    RLS_BIN=$(dirname "$SIDECAR_BIN")/tollgate-ratelimit
+    [[ -x "$RLS_BIN" ]] || {
+        say "no tollgate-ratelimit next to $SIDECAR_BIN; PATHS=baseline,ratelimit runs without it"
         exit 1
     }
-    # Run a private copy: others rebuilding the shared target/ mid-run must not swap the binary.
+    # Run private copies: others rebuilding the shared target/ mid-run must not swap the binaries.
     SNAPDIR=$(mktemp -d /tmp/tollgate-gateway-bin.XXXXXX)
     cp "$SIDECAR_BIN" "$SNAPDIR/tollgate-sidecar"
+    cp "$RLS_BIN" "$SNAPDIR/tollgate-ratelimit"
     say "sidecar: $SIDECAR_BIN (built $(date -r "$SIDECAR_BIN" '+%F %T'))"
     export SIDECAR_SOURCE="$SIDECAR_BIN (built $(date -r "$SIDECAR_BIN" '+%F %T'))"
     SIDECAR_BIN=$SNAPDIR/tollgate-sidecar

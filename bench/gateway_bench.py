@@ -8,7 +8,7 @@ SIDECAR_BIN, NGINX, REDIS_SERVER, REDIS_CLI). See bench/README.md ("gateway").
 Paths, all through the same Envoy binary (--concurrency 1) to the same app (nginx `return 200`):
   baseline       Envoy, no limiter                                              the baseline
   ratelimit      Envoy + envoy.filters.http.ratelimit -> envoyproxy/ratelimit -> Redis
-  tollgate-rls   Envoy + envoy.filters.http.ratelimit -> tollgate-sidecar --rate-limit-service
+  tollgate-rls   Envoy + envoy.filters.http.ratelimit -> tollgate-ratelimit
   tollgate-rlqs  Envoy + envoy.filters.http.rate_limit_quota -> the same tollgate process (RLQS)
 
 Phases (each starts its own limit services and Envoys; the app and the Redis servers stay):
@@ -84,6 +84,8 @@ SUT_CPU, GEN_CPU = pb.SUT_CPU, pb.GEN_CPU
 OUT_DIR = Path(os.environ.get("OUT_DIR", str(ROOT / "bench/results")))
 
 SIDECAR_BIN = os.environ.get("SIDECAR_BIN", str(ROOT / "target/release/tollgate-sidecar"))
+# The rate limit service: its own binary, next to the sidecar.
+TOLLGATE_RLS_BIN = str(Path(SIDECAR_BIN).with_name("tollgate-ratelimit"))
 RATELIMIT_BIN = os.environ.get("RATELIMIT_BIN", "ratelimit")
 VEGETA = os.environ.get("VEGETA", "vegeta")
 ENVOY = pb.ENVOY
@@ -382,7 +384,7 @@ def start_redis(work: Path, name: str) -> tuple[subprocess.Popen, int]:
 
 
 class Service:
-    """A limit service process: envoyproxy/ratelimit or tollgate-sidecar --rate-limit-service."""
+    """A limit service process: envoyproxy/ratelimit or tollgate-ratelimit."""
 
     def __init__(self, name: str, proc: subprocess.Popen, grpc_port: int, redis_pid: int,
                  admin: str | None = None):
@@ -412,13 +414,13 @@ def start_tollgate(work: Path, tag: str, limit: int, redis_port: int, redis_pid:
     port, admin = pb.free_ports(2)
     pol = work / f"policy-{tag}.yaml"
     pol.write_text(tollgate_policy(limit))
-    p = pb.spawn("tollgate-sidecar", [SIDECAR_BIN, "--rate-limit-service",
-                                      "--listen", f"127.0.0.1:{port}",
-                                      "--admin", f"127.0.0.1:{admin}", "--policies", str(pol),
-                                      "--redis", f"redis://127.0.0.1:{redis_port}",
-                                      "--log", "warn"], SUT_CPU, work / f"tollgate-{tag}.log")
-    pb.wait_http(f"http://127.0.0.1:{admin}/readyz", p, "tollgate-sidecar --rate-limit-service")
-    wait_tcp(port, p, "tollgate-sidecar gRPC")
+    p = pb.spawn("tollgate-ratelimit", [TOLLGATE_RLS_BIN,
+                                        "--listen", f"127.0.0.1:{port}",
+                                        "--admin", f"127.0.0.1:{admin}", "--policies", str(pol),
+                                        "--redis", f"redis://127.0.0.1:{redis_port}",
+                                        "--log", "warn"], SUT_CPU, work / f"tollgate-{tag}.log")
+    pb.wait_http(f"http://127.0.0.1:{admin}/readyz", p, "tollgate-ratelimit")
+    wait_tcp(port, p, "tollgate-ratelimit gRPC")
     return Service("tollgate", p, port, redis_pid, f"http://127.0.0.1:{admin}")
 
 
