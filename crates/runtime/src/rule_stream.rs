@@ -433,10 +433,7 @@ async fn stream_once(
         Ok(s) => s,
         Err(ended) => return ended,
     };
-    shared.metrics().controller_connected.set(1);
-    shared.metrics().controller_stream_refused.set(0);
-    health.connected();
-    tracing::info!(controller = %config.url, "rule stream connected");
+    connected(config, shared, health);
     let interrupted = |e: String| Ended::new(EndCause::Interrupted, e);
     let mut buf: Vec<u8> = Vec::new();
     // (epoch, version) of the last snapshot this stream delivered and this sidecar applied.
@@ -452,13 +449,8 @@ async fn stream_once(
             continue; // trailers
         };
         buf.extend_from_slice(&chunk);
-        while let Some(pos) = buf.iter().position(|b| *b == b'\n') {
-            let line: Vec<u8> = buf.drain(..=pos).collect();
-            let line = &line[..line.len() - 1];
-            if line.iter().all(u8::is_ascii_whitespace) {
-                continue;
-            }
-            let message = match parse_line(line) {
+        while let Some(line) = next_line(&mut buf) {
+            let message = match parse_line(&line) {
                 Ok(m) => m,
                 Err(e) => return interrupted(e),
             };
@@ -490,15 +482,7 @@ async fn stream_once(
                     on_snapshot(&session, config, shared, apply, held, saved, snapshot).await
                 }
                 StreamMessage::Members { members, .. } => {
-                    // The cache keeps the membership current too: a pod restarted from it
-                    // while the controller is away divides fail-open shares by the live count
-                    // it last heard of, not by the one of its last rules snapshot.
-                    if let (Some(cache), Some((version, policies))) =
-                        (&config.cache, saved.as_ref())
-                    {
-                        save(cache.clone(), *version, policies.clone(), members.clone()).await;
-                    }
-                    apply.members(members);
+                    on_members(config, apply, saved.as_ref(), members).await;
                     Ok(())
                 }
                 StreamMessage::Heartbeat { .. } => Ok(()),
@@ -511,6 +495,42 @@ async fn stream_once(
             return interrupted(format!("stream line longer than {MAX_LINE_BYTES} bytes"));
         }
     }
+}
+
+/// The stream is open: the metrics, `/debug/stream` and the log say so.
+fn connected(config: &ControllerConfig, shared: &Shared, health: &StreamHealth) {
+    shared.metrics().controller_connected.set(1);
+    shared.metrics().controller_stream_refused.set(0);
+    health.connected();
+    tracing::info!(controller = %config.url, "rule stream connected");
+}
+
+/// The next non-blank line of `buf` without its newline, taken out of it; `None` until a
+/// whole line has arrived.
+fn next_line(buf: &mut Vec<u8>) -> Option<Vec<u8>> {
+    while let Some(pos) = buf.iter().position(|b| *b == b'\n') {
+        let mut line: Vec<u8> = buf.drain(..=pos).collect();
+        line.pop();
+        if !line.iter().all(u8::is_ascii_whitespace) {
+            return Some(line);
+        }
+    }
+    None
+}
+
+/// A membership update: applied, and kept in the cache with the rules last saved. A pod
+/// restarted from the cache while the controller is away then divides fail-open shares by the
+/// live count it last heard of, not by the one of its last rules snapshot.
+async fn on_members(
+    config: &ControllerConfig,
+    apply: &dyn Apply,
+    saved: Option<&(u64, Vec<tollgate_crd::CompiledPolicy>)>,
+    members: BTreeMap<String, u32>,
+) {
+    if let (Some(cache), Some((version, policies))) = (&config.cache, saved) {
+        save(cache.clone(), *version, policies.clone(), members.clone()).await;
+    }
+    apply.members(members);
 }
 
 /// A snapshot as it came off the stream.
