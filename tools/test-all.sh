@@ -86,6 +86,9 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 log "cargo test"
 # Build everything first so test timeouts never include compile time.
 cargo test --workspace --locked --no-run
+# Every binary too: cargo builds a package's binary for its own integration tests only, and
+# the sidecar's Envoy tests start tollgate-ratelimit (they would build it mid-test otherwise).
+cargo build --workspace --locked --bins
 wait_k8sbin
 # Keep going after failures so the fuzz replay and the summary still run; exit with the status.
 set +e

@@ -89,8 +89,11 @@ to the image name; a digest wins over the tag. */}}
 {{ include "tollgate.imageRef" (dict "image" .Values.sidecar.image "registry" .Values.imageRegistry "appVersion" .Chart.AppVersion) }}
 {{- end }}
 
+{{/* Values reused from a chart before tollgate-ratelimit had an image of its own
+(`helm upgrade --reuse-values`) have no rateLimitService.image: default to the published one. */}}
 {{- define "tollgate.rateLimitServiceImage" -}}
-{{ include "tollgate.imageRef" (dict "image" .Values.rateLimitService.image "registry" .Values.imageRegistry "appVersion" .Chart.AppVersion) }}
+{{- $image := .Values.rateLimitService.image | default (dict "repository" "ghcr.io/tollgate-dev/tollgate-ratelimit") -}}
+{{ include "tollgate.imageRef" (dict "image" $image "registry" .Values.imageRegistry "appVersion" .Chart.AppVersion) }}
 {{- end }}
 
 {{/* The Redis URL passed to sidecars ("" when global limits stay per sidecar). */}}

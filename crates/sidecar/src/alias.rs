@@ -62,8 +62,9 @@ pub fn exec(args: Vec<OsString>) -> ExitCode {
     ExitCode::FAILURE
 }
 
-/// `tollgate-ratelimit` next to the running executable (how releases and images ship them),
-/// else the first on PATH.
+/// `tollgate-ratelimit` next to the running executable (where a build or `cargo install` puts
+/// both), else the first on PATH. The sidecar image holds the sidecar only, so it stays lean:
+/// a container that used the flag switches to the `tollgate-ratelimit` image (docs/gateway.md).
 fn locate() -> Option<PathBuf> {
     let beside = std::env::current_exe()
         .ok()
