@@ -983,7 +983,7 @@ fn decide(set: &RuleSet, parts: &Parts, peer: &SocketAddr) {
     let mut buf = Vec::new();
     // Twice, so the second request meets state the first left behind.
     for now in [NOW, NOW + 1] {
-        let verdict = set.decide(parts, peer, now, &mut buf, hasher());
+        let verdict = set.evaluate(parts, peer, now, &mut buf, hasher());
         let _ = verdict.rejected.as_ref().map(|r| r.limited.decision);
         let _ = set.evict_idle(now + 3_600_000_000_000);
     }

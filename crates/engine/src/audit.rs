@@ -30,10 +30,10 @@ pub struct AuditLog {
     /// The controller's secret in use, so a snapshot repeating it changes nothing.
     adopted: parking_lot::Mutex<Option<String>>,
     /// Most-rejected keys, for `/debug/top-keys`.
-    pub top: crate::topkeys::TopKeys,
+    pub top: crate::top_keys::TopKeys,
     /// The same, since the last report to the controller (`tollgate_runtime::rule_stream`), which drains
     /// it; fed only once a reporter runs.
-    pub unreported: crate::topkeys::TopKeys,
+    pub unreported: crate::top_keys::TopKeys,
     reporting: std::sync::atomic::AtomicBool,
     /// High 32 bits: the current second; low 32 bits: lines written in it.
     window: AtomicU64,
@@ -64,8 +64,8 @@ impl AuditLog {
             identity: arc_swap::ArcSwap::from_pointee(identity),
             pinned,
             adopted: parking_lot::Mutex::new(None),
-            top: crate::topkeys::TopKeys::default(),
-            unreported: crate::topkeys::TopKeys::default(),
+            top: crate::top_keys::TopKeys::default(),
+            unreported: crate::top_keys::TopKeys::default(),
             reporting: std::sync::atomic::AtomicBool::new(false),
             window: AtomicU64::new(0),
             suppressed: AtomicU64::new(0),

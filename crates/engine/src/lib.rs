@@ -15,4 +15,4 @@ pub mod replay;
 pub mod response;
 pub mod rules;
 pub mod shared;
-pub mod topkeys;
+pub mod top_keys;

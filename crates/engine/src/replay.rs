@@ -2,7 +2,7 @@
 //! [--baseline old.yaml]` runs a recorded access log through the sidecar's own rule engine and
 //! reports, per rule, what it would have done.
 //!
-//! Every request goes through [`RuleSet::decide_observed`], the code the proxy runs (matching,
+//! Every request goes through [`RuleSet::evaluate_observed`], the code the proxy runs (matching,
 //! key extraction, bypass, cost, the limiter algorithms), so the replay decides exactly as
 //! enforcement would. Time is simulated: each request is decided at its logged timestamp, so an
 //! hour of log replays in well under a second. `scope: Global` rules are simulated as a single
@@ -340,7 +340,7 @@ impl Run {
         self.requests += 1;
         let stats = &mut self.stats;
         let mut decided = false;
-        let verdict = self.rules.decide_observed(
+        let verdict = self.rules.evaluate_observed(
             &req.parts,
             &req.peer,
             req.at,

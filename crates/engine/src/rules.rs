@@ -393,7 +393,7 @@ pub struct Rejection {
     pub key: Vec<u8>,
 }
 
-/// What happened at one rule for one request, for observers of [`RuleSet::decide_observed`]
+/// What happened at one rule for one request, for observers of [`RuleSet::evaluate_observed`]
 /// (the replay dry-run). The rule's metrics count the same things.
 pub enum RuleEvent<'a> {
     /// Exempt through the policy's bypass networks or keys.
@@ -418,7 +418,7 @@ pub enum KeySkip {
 }
 
 /// How one rule treats one request, before any counter is read: what
-/// [`RuleSet::applies`] tells `/debug/why`. [`RuleSet::decide`] takes the same steps.
+/// [`RuleSet::applies`] tells `/debug/why`. [`RuleSet::evaluate`] takes the same steps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Applies {
     /// The client address is in the policy's bypass networks.
@@ -475,9 +475,11 @@ enum RuleStep {
 }
 
 impl RuleSet {
-    /// Evaluates every matching rule. Stops at the first enforcing rule that rejects, so a
-    /// rejected request spends no tokens of the rules after it and costs less than an admitted one.
-    pub fn decide(
+    /// Evaluates every matching rule locally (held leases included). Stops at the first
+    /// enforcing rule that rejects, so a rejected request spends no tokens of the rules after
+    /// it and costs less than an admitted one. Global keys that need Redis are left `pending`:
+    /// [`crate::shared::Shared::decide`], the one decision every edge makes, resolves them.
+    pub fn evaluate(
         &self,
         parts: &Parts,
         peer: &SocketAddr,
@@ -485,14 +487,14 @@ impl RuleSet {
         key_buf: &mut Vec<u8>,
         hasher: &KeyHasher,
     ) -> Verdict {
-        self.decide_observed(parts, peer, now, key_buf, hasher, &mut |_, _| {})
+        self.evaluate_observed(parts, peer, now, key_buf, hasher, &mut |_, _| {})
     }
 
-    /// [`RuleSet::decide`], telling `observe` what happened at each rule the request reached
-    /// (by rule index). `decide` passes a no-op, which compiles away. Global rules waiting for a
+    /// [`RuleSet::evaluate`], telling `observe` what happened at each rule the request reached
+    /// (by rule index). `evaluate` passes a no-op, which compiles away. Global rules waiting for a
     /// Redis round trip (`pending`) are decided later and not observed.
     #[inline]
-    pub fn decide_observed(
+    pub fn evaluate_observed(
         &self,
         parts: &Parts,
         peer: &SocketAddr,
@@ -558,7 +560,7 @@ impl RuleSet {
         verdict
     }
 
-    /// How rule `ri` treats a request, in the order [`RuleSet::decide`] checks: nothing is
+    /// How rule `ri` treats a request, in the order [`RuleSet::evaluate`] checks: nothing is
     /// charged or counted. On [`Applies::Counted`] the rule's key is in `key_buf`.
     pub fn applies(
         &self,
@@ -1030,7 +1032,7 @@ spec:
         // The limit counts per api_key value: k1 gets 2, then k2 still gets 2.
         let admitted = |parts: &Parts, buf: &mut Vec<u8>| {
             rules
-                .decide(parts, &peer, 0, buf, &hasher)
+                .evaluate(parts, &peer, 0, buf, &hasher)
                 .rejected
                 .is_none()
         };

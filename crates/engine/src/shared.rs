@@ -66,7 +66,7 @@ impl Shared {
         let identity = self.audit.identity();
         let mut verdict = KEY_BUF.with(|buf| {
             let mut buf = buf.borrow_mut();
-            rules.decide(parts, peer, started, &mut buf, &identity.hasher)
+            rules.evaluate(parts, peer, started, &mut buf, &identity.hasher)
         });
         drop(identity);
         if !verdict.pending.is_empty()

@@ -895,7 +895,7 @@ async fn report_top_keys(current: CurrentSession, config: ControllerConfig, shar
 
 /// Adds a drained sketch to the keys not yet reported, keeping the most rejected
 /// [`MAX_REPORTED_KEYS`] (what is cut is a key that no longer qualifies as a top key).
-fn merge_reported(pending: &mut Vec<ReportedKey>, drained: Vec<tollgate_engine::topkeys::Entry>) {
+fn merge_reported(pending: &mut Vec<ReportedKey>, drained: Vec<tollgate_engine::top_keys::Entry>) {
     for e in drained {
         let key_hash = tollgate_engine::identity::display(e.identity);
         match pending
@@ -957,7 +957,7 @@ mod tests {
 
     #[test]
     fn unsent_top_keys_add_up_and_keep_the_heaviest() {
-        let entry = |identity: u64, count: u64| tollgate_engine::topkeys::Entry {
+        let entry = |identity: u64, count: u64| tollgate_engine::top_keys::Entry {
             rule: "shop/limits/per-key".into(),
             key_hash: identity ^ 0xff,
             identity,
