@@ -278,17 +278,7 @@ async fn serves_https_and_picks_up_a_new_certificate() {
         let ca = a.ca_pem.clone();
         async move {
             use rustls::pki_types::pem::PemObject;
-            let mut roots = rustls::RootCertStore::empty();
-            for c in rustls::pki_types::CertificateDer::pem_slice_iter(ca.as_bytes()) {
-                roots.add(c.unwrap()).unwrap();
-            }
-            let provider = Arc::new(rustls::crypto::ring::default_provider());
-            let client = rustls::ClientConfig::builder_with_provider(provider)
-                .with_safe_default_protocol_versions()
-                .unwrap()
-                .with_root_certificates(roots)
-                .with_no_client_auth();
-            let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
+            let connector = connector_trusting(&ca);
             let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
             let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
             let mut tls = connector.connect(name, tcp).await.unwrap();
@@ -335,18 +325,7 @@ async fn a_review_in_flight_at_shutdown_is_answered() {
     let cfg = Arc::new(tls::server_config(store).unwrap());
     let server = tokio::spawn(serve(listener, cfg, handler(), rx));
 
-    use rustls::pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    for c in rustls::pki_types::CertificateDer::pem_slice_iter(a.ca_pem.as_bytes()) {
-        roots.add(c.unwrap()).unwrap();
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let client = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
+    let connector = connector_trusting(&a.ca_pem);
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
     let mut tls = connector.connect(name, tcp).await.unwrap();
@@ -390,4 +369,20 @@ async fn a_review_in_flight_at_shutdown_is_answered() {
         .expect("serve returns once the review is answered")
         .unwrap();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A TLS client that trusts only the CA in `ca_pem`, as the API server calling the webhook does.
+fn connector_trusting(ca_pem: &str) -> tokio_rustls::TlsConnector {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls::pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tokio_rustls::TlsConnector::from(Arc::new(client))
 }
