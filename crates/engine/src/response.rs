@@ -415,7 +415,6 @@ pub fn problem(status: StatusCode, title: &str, detail: &str) -> Response<Bytes>
     resp
 }
 
-/// "100 requests per minute" style wording for the problem detail.
 #[cfg(test)]
 mod tests {
     use super::*;
