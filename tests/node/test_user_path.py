@@ -401,16 +401,26 @@ def test_kubectl_tollgate_status_top_and_why_on_real_pods():
         try:
             eventually("customer-1 refused at the pod", lambda: get(
                 target["status"]["podIP"], 8081, headers={"x-api-key": "customer-1"})[0] == 429, timeout=30)
-            why = plugin("why", "-n", APP_NS, "--pod", pod, "--path", "/", "--header", "x-api-key=customer-1")
-            answer = json.loads(plugin("why", "-n", APP_NS, "--pod", pod, "--header", "x-api-key=customer-1",
-                                       "-o", "json").stdout)
+            why = plugin("why", "-n", APP_NS, "--pod", pod, "--path", "/", "--header", "x-api-key=customer-1",
+                         "--balance", "redis")
+
+            def rejected():
+                # A token refilled in Redis (one per 0.6 s) lives until the drain's next request.
+                a = json.loads(plugin("why", "-n", APP_NS, "--pod", pod, "--header", "x-api-key=customer-1",
+                                      "--balance", "redis", "-o", "json").stdout)
+                r = next(r for r in a["rules"] if r["rule"] == "per-api-key")
+                return a if (r.get("would") or {}).get("outcome") == "rejected" else None
+            answer = eventually("why --balance redis: customer-1 would be rejected", rejected, timeout=30, every=0.5)
         finally:
             draining[0] = False
             drained.result(timeout=30)
     print(why.stdout)
     assert "per-api-key" in why.stdout and expected in why.stdout, why.stdout
+    # "counted": the rule applies to the request and counts it under this key; `would` says what
+    # its balance (read in Redis) does with it now, and the whole answer's decision follows.
     rule = next(r for r in answer["rules"] if r["rule"] == "per-api-key")
-    assert rule["matches"] and rule["outcome"] == "limited" and rule["keyHash"] == expected, rule
+    assert rule["matches"] and rule["outcome"] == "counted" and rule["keyHash"] == expected, rule
+    assert rule["would"]["source"] == "redis" and answer["decision"]["outcome"] == "rejected", answer
     assert rule["state"]["globalMode"] and rule["state"]["liveSidecars"] == int(total), rule
     missing = plugin("why", "-n", APP_NS, "--pod", "no-such-pod", check=False)
     assert missing.returncode == 1 and "not found" in missing.stderr, (missing.returncode, missing.stderr)
