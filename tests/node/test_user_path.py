@@ -948,6 +948,50 @@ def test_helm_upgrade_of_a_sidecar_setting_reaches_new_pods():
     assert side["resources"]["limits"]["memory"] == "96Mi", side["resources"]
 
 
+def test_a_sidecar_restarted_while_the_controller_is_down_enforces_its_cached_rules():
+    """With the controller scaled to zero (an outage, not an uninstall, which retires the
+    sidecars first), a sidecar that restarts finds the rules it last received in its emptyDir
+    cache, turns Ready and limits again."""
+    kubectl("scale", "-n", SYSTEM_NS, f"deployment/{RELEASE}-controller", "--replicas=0")
+    eventually("controller pods gone", lambda: not pods(SYSTEM_NS, CONTROLLER), timeout=120)
+    try:
+        cached_rules_after_a_restart()
+    finally:
+        kubectl("scale", "-n", SYSTEM_NS, f"deployment/{RELEASE}-controller", "--replicas=2")
+    # Every sidecar back on the stream: the uninstall that follows retires them through it.
+    eventually("every sidecar connected again", lambda: all(
+        metric(p["status"]["podIP"], "tollgate_controller_connected") == 1 for p in pods(APP_NS, f"app={APP}")),
+        timeout=120, every=1)
+
+
+def cached_rules_after_a_restart():
+    pod = min(pods(APP_NS, f"app={APP}"), key=lambda p: sidecar_status(p)["restartCount"])
+    name, ip = pod["metadata"]["name"], pod["status"]["podIP"]
+    restarts = sidecar_status(pod)["restartCount"]
+    cid = sidecar_status(pod)["containerID"].split("://", 1)[1]
+    run("ctr", "--address", "/run/containerd/containerd.sock", "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", cid)
+    killed = time.monotonic()
+    eventually("the sidecar restarted", lambda: sidecar_status(kjson("get", "pod", "-n", APP_NS, name))["restartCount"] > restarts,
+               timeout=60, every=0.2)
+    eventually("it enforces the cached rules", lambda: metric(ip, "tollgate_rules_from_cache") == 1, timeout=30, every=0.1)
+    back = time.monotonic() - killed
+    assert metric(ip, "tollgate_rules_loaded") > 0
+    assert metric(ip, "tollgate_rules_passthrough") == 0
+    # The membership cached with the rules keeps each sidecar's fail-open share at limit / pods
+    # instead of the whole limit per pod.
+    live = eventually("the cached membership is in force", lambda: [
+        float(line.split()[-1]) for line in get(ip, 9091, "/metrics")[2].decode().splitlines()
+        if line.startswith("tollgate_live_sidecars{") and "shop-api-keys" in line and float(line.split()[-1]) > 1], timeout=10)
+    eventually("the pod is Ready again", lambda: ready(kjson("get", "pod", "-n", APP_NS, name)), timeout=30)
+    # The per-API-key rule (burst 21) limits a fresh key on this pod alone.
+    statuses = [get(ip, 8081, "/", headers={"x-api-key": "after-cache-restart"})[0] for _ in range(40)]
+    assert statuses.count(200) >= 5 and 429 in statuses, statuses
+    logs = kubectl("logs", "-n", APP_NS, name, "-c", "tollgate-sidecar").stdout
+    assert "enforcing the rules this pod last received" in logs, logs
+    print(f"MEASURE sidecar restarted without a controller: cached rules in force {back:.2f}s after SIGKILL, "
+          f"live sidecars {live[0]:.0f}, {statuses.count(200)} of 40 admitted for a fresh key")
+
+
 def test_uninstall_leaves_only_what_the_docs_say():
     helm("uninstall", RELEASE, "-n", SYSTEM_NS, "--wait", "--timeout", "120s")
     eventually("controller pods gone", lambda: not pods(SYSTEM_NS, CONTROLLER), timeout=120)
@@ -964,34 +1008,23 @@ def test_uninstall_leaves_only_what_the_docs_say():
         assert not out, out
 
 
-def test_a_sidecar_restarted_while_the_controller_is_gone_enforces_its_cached_rules():
-    """The controller is uninstalled (previous test); a sidecar that restarts now finds the rules
-    it last received in its emptyDir cache, turns Ready and limits again."""
+def test_a_sidecar_restarted_after_the_uninstall_enforces_nothing():
+    """The uninstall retired every sidecar before the controller went (install.md, "Uninstall"):
+    their rules cache holds the empty set, so a sidecar container that restarts now forwards
+    every request."""
     pod = min(pods(APP_NS, f"app={APP}"), key=lambda p: sidecar_status(p)["restartCount"])
     name, ip = pod["metadata"]["name"], pod["status"]["podIP"]
     restarts = sidecar_status(pod)["restartCount"]
     cid = sidecar_status(pod)["containerID"].split("://", 1)[1]
     run("ctr", "--address", "/run/containerd/containerd.sock", "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", cid)
-    killed = time.monotonic()
     eventually("the sidecar restarted", lambda: sidecar_status(kjson("get", "pod", "-n", APP_NS, name))["restartCount"] > restarts,
                timeout=60, every=0.2)
-    eventually("it enforces the cached rules", lambda: metric(ip, "tollgate_rules_from_cache") == 1, timeout=30, every=0.1)
-    back = time.monotonic() - killed
-    assert metric(ip, "tollgate_rules_loaded") > 0
-    assert metric(ip, "tollgate_rules_passthrough") == 0
-    # The membership cached with the rules keeps the fail-open share (Redis went with the chart)
-    # at limit / pods instead of the whole limit per pod.
-    live = eventually("the cached membership is in force", lambda: [
-        float(line.split()[-1]) for line in get(ip, 9091, "/metrics")[2].decode().splitlines()
-        if line.startswith("tollgate_live_sidecars{") and "shop-api-keys" in line and float(line.split()[-1]) > 1], timeout=10)
+    eventually("it takes the cached (empty) rules", lambda: metric(ip, "tollgate_rules_from_cache") == 1,
+               timeout=30, every=0.1)
+    assert metric(ip, "tollgate_rules_loaded") == 0
     eventually("the pod is Ready again", lambda: ready(kjson("get", "pod", "-n", APP_NS, name)), timeout=30)
-    # The per-API-key rule (burst 21) limits a fresh key on this pod alone.
-    statuses = [get(ip, 8081, "/", headers={"x-api-key": "after-cache-restart"})[0] for _ in range(40)]
-    assert statuses.count(200) >= 5 and 429 in statuses, statuses
-    logs = kubectl("logs", "-n", APP_NS, name, "-c", "tollgate-sidecar").stdout
-    assert "enforcing the rules this pod last received" in logs, logs
-    print(f"MEASURE sidecar restarted without a controller: cached rules in force {back:.2f}s after SIGKILL, "
-          f"live sidecars {live[0]:.0f}, {statuses.count(200)} of 40 admitted for a fresh key")
+    statuses = [get(ip, 8081, "/", headers={"x-api-key": "after-uninstall-restart"})[0] for _ in range(40)]
+    assert statuses == [200] * 40, statuses
 
 
 def sidecar_restarts():
