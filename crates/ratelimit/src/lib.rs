@@ -125,16 +125,5 @@ pub fn main() -> ExitCode {
     let workers = args.runtime.workers;
     let result =
         tollgate_runtime::block_on(workers, run(args, tollgate_telemetry::shutdown_signal()));
-    match result {
-        Ok(Ok(())) => ExitCode::SUCCESS,
-        Ok(Err(e)) => {
-            tracing::error!(error = %format!("{e:#}"), "tollgate-ratelimit failed");
-            eprintln!("tollgate-ratelimit: {e:#}");
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("tollgate-ratelimit: cannot start runtime: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    tollgate_runtime::exit_code("tollgate-ratelimit", result)
 }

@@ -46,13 +46,38 @@ pub fn block_on<T>(
 
 /// Starts logging and tracing as the runtime flags say, for the binary `service`.
 pub fn init_telemetry(args: &args::RuntimeArgs, service: &str) {
-    if let Err(e) = tollgate_telemetry::init(
-        &args.log,
-        args.log_format == tollgate_telemetry::LogFormat::Json,
-        args.otlp_endpoint.as_deref(),
-        args.otlp_ca_file.as_deref(),
+    // `--log` alone decides (RUST_LOG does not win), and JSON lines hold the event's own
+    // fields only: what a per-request log line needs.
+    let settings = tollgate_telemetry::Settings {
         service,
-    ) {
+        log_filter: &args.log,
+        rust_log_wins: false,
+        format: args.log_format,
+        json_span: false,
+        otlp_endpoint: args.otlp_endpoint.as_deref(),
+        otlp_ca_file: args.otlp_ca_file.as_deref(),
+    };
+    if let Err(e) = tollgate_telemetry::init_with(&settings) {
         eprintln!("{service}: telemetry: {e}");
+    }
+}
+
+/// The process's exit status for what [`block_on`] returned, with a failure logged and printed
+/// under the binary's name `service` (stderr too: logs may go to a collector nobody reads yet).
+pub fn exit_code(
+    service: &str,
+    result: std::io::Result<anyhow::Result<()>>,
+) -> std::process::ExitCode {
+    match result {
+        Ok(Ok(())) => std::process::ExitCode::SUCCESS,
+        Ok(Err(e)) => {
+            tracing::error!(error = %format!("{e:#}"), "{service} failed");
+            eprintln!("{service}: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("{service}: cannot start runtime: {e}");
+            std::process::ExitCode::FAILURE
+        }
     }
 }

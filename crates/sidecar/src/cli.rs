@@ -205,16 +205,5 @@ fn run_blocking(args: RunArgs, demo: bool) -> std::process::ExitCode {
             app::run(args, tollgate_telemetry::shutdown_signal()).await
         }
     });
-    match result {
-        Ok(Ok(())) => std::process::ExitCode::SUCCESS,
-        Ok(Err(e)) => {
-            tracing::error!(error = %format!("{e:#}"), "tollgate-sidecar failed");
-            eprintln!("tollgate-sidecar: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("tollgate-sidecar: cannot start runtime: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    tollgate_runtime::exit_code("tollgate-sidecar", result)
 }

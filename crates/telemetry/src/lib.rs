@@ -57,33 +57,6 @@ pub struct Settings<'a> {
     pub otlp_ca_file: Option<&'a std::path::Path>,
 }
 
-/// Sets up logging and, with `otlp_endpoint` (or else the standard `OTEL_EXPORTER_OTLP_ENDPOINT`
-/// variable), trace export over OTLP/HTTP (protobuf) to `<endpoint>/v1/traces` (see
-/// [`otlp`] for TLS and `otlp_ca_file`). An exporter that cannot be built leaves
-/// logging working; the error is returned after. The sidecar's settings: [`init_with`] with
-/// `--log` alone deciding and no span in JSON lines.
-pub fn init(
-    log_filter: &str,
-    json: bool,
-    otlp_endpoint: Option<&str>,
-    otlp_ca_file: Option<&std::path::Path>,
-    service: &str,
-) -> Result<(), String> {
-    init_with(&Settings {
-        service,
-        log_filter,
-        rust_log_wins: false,
-        format: if json {
-            LogFormat::Json
-        } else {
-            LogFormat::Text
-        },
-        json_span: false,
-        otlp_endpoint,
-        otlp_ca_file,
-    })
-}
-
 /// Sets up logging (the filter applies to logs only, so `--log warn` does not switch traces
 /// off; [`set_log_filter`] changes it at runtime) and, with an OTLP endpoint, trace export
 /// with the W3C trace-context propagator. Fails if a global subscriber is already set (then
