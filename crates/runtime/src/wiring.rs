@@ -403,9 +403,8 @@ impl Running {
     }
 
     fn spawn_reload(&mut self, path: PathBuf, every: Duration, store: StoreConfig) {
-        let (shared, stop) = (Arc::clone(&self.shared), self.stop.clone());
-        self.tasks
-            .push(tokio::spawn(reload_loop(shared, path, every, store, stop)));
+        let shared = Arc::clone(&self.shared);
+        self.spawn_until_stopped(reload_loop(shared, path, every, store));
     }
 
     fn spawn_rule_stream(
@@ -439,8 +438,7 @@ impl Running {
     }
 
     fn spawn_evict(&mut self) {
-        let (shared, stop) = (Arc::clone(&self.shared), self.stop.clone());
-        self.tasks.push(tokio::spawn(evict_loop(shared, stop)));
+        self.spawn_until_stopped(evict_loop(Arc::clone(&self.shared)));
     }
 
     /// After the edge has drained: stops the background tasks at their next cancellation
@@ -486,23 +484,15 @@ impl Apply for ControllerApply {
     }
 }
 
-/// Standalone mode: reloads the policy files when they change, until `stop`.
-async fn reload_loop(
-    shared: Arc<Shared>,
-    path: PathBuf,
-    every: Duration,
-    store: StoreConfig,
-    stop: CancellationToken,
-) {
+/// Standalone mode: reloads the policy files when they change (a reload runs between awaits,
+/// so shutdown never stops one halfway).
+async fn reload_loop(shared: Arc<Shared>, path: PathBuf, every: Duration, store: StoreConfig) {
     let mut last = files::fingerprint(&path);
     let mut version = 1;
     let mut ticker = tokio::time::interval(every);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tokio::select! {
-            () = stop.cancelled() => return,
-            _ = ticker.tick() => {}
-        }
+        ticker.tick().await;
         let now = files::fingerprint(&path);
         if now == last {
             continue;
@@ -534,14 +524,11 @@ fn reload(shared: &Shared, path: &Path, version: &mut u64, store: &StoreConfig) 
     }
 }
 
-/// Drops idle keys from the in-memory limiters every [`EVICT_INTERVAL`], until `stop`.
-async fn evict_loop(shared: Arc<Shared>, stop: CancellationToken) {
+/// Drops idle keys from the in-memory limiters every [`EVICT_INTERVAL`].
+async fn evict_loop(shared: Arc<Shared>) {
     let mut ticker = tokio::time::interval(EVICT_INTERVAL);
     loop {
-        tokio::select! {
-            () = stop.cancelled() => return,
-            _ = ticker.tick() => {}
-        }
+        ticker.tick().await;
         let evicted = shared.evict_idle(shared.clock().now());
         if evicted > 0 {
             tracing::debug!(evicted, "evicted idle keys");
