@@ -21,8 +21,8 @@ use tollgate_limiter::{Nanos, StoreConfig};
 use tollgate_global::store::{LeaseReply, parse_lease_reply};
 use tollgate_engine::keys::{self, ClientAddr, PartValue};
 use tollgate_engine::metrics::Metrics;
-use tollgate_global::quota::quota_for;
-use tollgate_engine::rules::{KeyHasher, RuleSet};
+use tollgate_global::limit::for_limiter;
+use tollgate_engine::rules::{Fingerprinter, RuleSet};
 
 /// A target body: must not panic on any input.
 pub type Target = fn(&[u8]);
@@ -128,8 +128,8 @@ fn check_compiled(c: &CompiledPolicy) {
     let _ = c.id();
     for rule in &c.rules {
         let _ = rule.describe();
-        quota_for(&rule.limit)
-            .unwrap_or_else(|e| panic!("compiled limit {:?} is no valid quota: {e}", rule.limit));
+        for_limiter(&rule.limit)
+            .unwrap_or_else(|e| panic!("compiled limit {:?} is no valid limiter limit: {e}", rule.limit));
     }
 }
 
@@ -833,7 +833,7 @@ fn stream_lines(data: &[u8]) {
                     let _ = p.id();
                     for r in &p.rules {
                         let _ = r.describe();
-                        let _ = quota_for(&r.limit);
+                        let _ = for_limiter(&r.limit);
                     }
                 }
                 // A refused snapshot keeps the rules in force.
@@ -972,9 +972,9 @@ fn build_rule_set(
     RuleSet::build(version, policies, previous, &store, &Metrics::new(), None)
 }
 
-fn hasher() -> &'static KeyHasher {
-    static H: OnceLock<KeyHasher> = OnceLock::new();
-    H.get_or_init(KeyHasher::random)
+fn fingerprinter() -> &'static Fingerprinter {
+    static H: OnceLock<Fingerprinter> = OnceLock::new();
+    H.get_or_init(Fingerprinter::random)
 }
 
 const NOW: Nanos = 1_700_000_000_000_000_000;
@@ -983,7 +983,7 @@ fn decide(set: &RuleSet, parts: &Parts, peer: &SocketAddr) {
     let mut buf = Vec::new();
     // Twice, so the second request meets state the first left behind.
     for now in [NOW, NOW + 1] {
-        let verdict = set.evaluate(parts, peer, now, &mut buf, hasher());
+        let verdict = set.evaluate(parts, peer, now, &mut buf, fingerprinter());
         let _ = verdict.rejected.as_ref().map(|r| r.limited.decision);
         let _ = set.evict_idle(now + 3_600_000_000_000);
     }

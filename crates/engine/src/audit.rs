@@ -5,7 +5,7 @@
 //! It is itself rate limited (a fixed number of lines per second): lines past the allowance are
 //! counted in `tollgate_audit_suppressed_total`, and the next line written says how many were
 //! suppressed before it, so a flood shows up in the log as a number instead of vanishing.
-//! Keys appear as their stable identity (`crate::identity`: the same in every pod of an
+//! Keys appear as their stable key hash (`crate::key_hash`: the same in every pod of an
 //! installation and across restarts) unless raw keys are explicitly enabled: counter keys are
 //! API keys, user ids and addresses, which log pipelines should not collect by default.
 
@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use tollgate_limiter::{Clock, MonotonicClock};
 
-use crate::identity::KeyIdentity;
+use crate::key_hash::KeyHashes;
 use crate::keys::ClientAddr;
 use crate::metrics::Metrics;
 use crate::rules::{ActiveRule, Rejection};
@@ -23,8 +23,8 @@ pub struct AuditLog {
     per_second: u64,
     raw_keys: bool,
     /// Swapped when the controller hands out the installation's secret.
-    identity: arc_swap::ArcSwap<KeyIdentity>,
-    /// The identity came from `--key-hash-secret-file`: an explicit choice the controller's
+    key_hashes: arc_swap::ArcSwap<KeyHashes>,
+    /// The secret came from `--key-hash-secret-file`: an explicit choice the controller's
     /// secret does not override.
     pinned: bool,
     /// The controller's secret in use, so a snapshot repeating it changes nothing.
@@ -57,11 +57,11 @@ pub struct RefusedRequest<'a> {
 }
 
 impl AuditLog {
-    pub fn new(per_second: u64, raw_keys: bool, identity: KeyIdentity, pinned: bool) -> AuditLog {
+    pub fn new(per_second: u64, raw_keys: bool, key_hashes: KeyHashes, pinned: bool) -> AuditLog {
         AuditLog {
             per_second,
             raw_keys,
-            identity: arc_swap::ArcSwap::from_pointee(identity),
+            key_hashes: arc_swap::ArcSwap::from_pointee(key_hashes),
             pinned,
             adopted: parking_lot::Mutex::new(None),
             top: crate::top_keys::TopKeys::default(),
@@ -73,23 +73,23 @@ impl AuditLog {
         }
     }
 
-    /// Where key identities come from (never the secret).
-    pub fn identity_source(&self) -> String {
-        self.identity.load().source.clone()
+    /// Where key hashes come from (never the secret).
+    pub fn key_hash_source(&self) -> String {
+        self.key_hashes.load().source.clone()
     }
 
-    /// The identities in force now, and the hot path's key hash under the same secret.
-    pub fn identity(&self) -> arc_swap::Guard<std::sync::Arc<KeyIdentity>> {
-        self.identity.load()
+    /// The key hashes in force now, and the hot path's SipHash under the same secret.
+    pub fn key_hashes(&self) -> arc_swap::Guard<std::sync::Arc<KeyHashes>> {
+        self.key_hashes.load()
     }
 
-    /// The stable identity (`key_hash`) a counter key has in audit lines and top keys now.
-    pub fn key_identity(&self, key: &[u8]) -> u64 {
-        self.identity.load().of(key)
+    /// The stable hash (`key_hash`) a counter key has in audit lines and top keys now.
+    pub fn key_hash(&self, key: &[u8]) -> u64 {
+        self.key_hashes.load().of(key)
     }
 
-    /// Uses the installation's secret the controller streamed, unless identities were pinned
-    /// to a file. Keys already in the top-keys sketch keep the identity they were counted with.
+    /// Uses the installation's secret the controller streamed, unless the secret was pinned
+    /// to a file. Keys already in the top-keys sketch keep the hash they were counted with.
     pub fn adopt_controller_secret(&self, secret: &str) {
         if self.pinned {
             return;
@@ -98,12 +98,11 @@ impl AuditLog {
         if adopted.as_deref() == Some(secret) {
             return;
         }
-        match KeyIdentity::from_secret(secret.as_bytes(), "the controller's key-hash Secret".into())
-        {
-            Ok(identity) => {
-                self.identity.store(std::sync::Arc::new(identity));
+        match KeyHashes::from_secret(secret.as_bytes(), "the controller's key-hash Secret".into()) {
+            Ok(key_hashes) => {
+                self.key_hashes.store(std::sync::Arc::new(key_hashes));
                 *adopted = Some(secret.to_string());
-                tracing::info!("key identities now follow the installation's key-hash secret");
+                tracing::info!("key hashes now follow the installation's key-hash secret");
             }
             Err(e) => tracing::warn!(error = %e, "ignoring the controller's key-hash secret"),
         }
@@ -147,17 +146,17 @@ impl AuditLog {
         metrics: &Metrics,
     ) {
         let limited = &rejection.limited;
-        let identity = self.identity.load();
+        let key_hashes = self.key_hashes.load();
         // One HMAC per rejection at most, for the sketch and the line alike.
         let key_id = std::cell::OnceCell::new();
-        let key_id = || *key_id.get_or_init(|| identity.of(&rejection.key));
-        self.top.record(&rule.rule.id, limited.key_hash, || {
+        let key_id = || *key_id.get_or_init(|| key_hashes.of(&rejection.key));
+        self.top.record(&rule.rule.id, limited.fingerprint, || {
             (key_id(), self.raw_keys.then(|| printable(&rejection.key)))
         });
         if self.reporting.load(Ordering::Relaxed) {
             // Raw keys never leave the pod.
             self.unreported
-                .record(&rule.rule.id, limited.key_hash, || (key_id(), None));
+                .record(&rule.rule.id, limited.fingerprint, || (key_id(), None));
         }
         if !self.admit() {
             metrics.audit_suppressed.inc();
@@ -174,7 +173,7 @@ impl AuditLog {
             rule = %rule.rule.id,
             decision = "rejected",
             status = 429u16,
-            key_hash = %crate::identity::display(key_id()),
+            key_hash = %crate::key_hash::display(key_id()),
             key = raw.as_deref(),
             method = %request.method,
             path = request.path,
@@ -203,7 +202,7 @@ impl AuditLog {
             self.suppressed.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        let key_hash = key.map(|k| crate::identity::display(self.identity.load().of(k)));
+        let key_hash = key.map(|k| crate::key_hash::display(self.key_hashes.load().of(k)));
         let raw = key.filter(|_| self.raw_keys).map(printable);
         let client = client_of(request);
         let trace_id = tollgate_telemetry::trace_id(request.span, request.headers);
@@ -255,7 +254,7 @@ mod tests {
 
     #[test]
     fn at_most_n_lines_per_second() {
-        let log = AuditLog::new(5, false, KeyIdentity::per_process().unwrap(), false);
+        let log = AuditLog::new(5, false, KeyHashes::per_process().unwrap(), false);
         let admitted = (0..100).filter(|_| log.admit()).count();
         // The test may straddle a second boundary once.
         assert!((5..=10).contains(&admitted), "{admitted}");

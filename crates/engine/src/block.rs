@@ -28,27 +28,27 @@ impl BlockList {
         }
     }
 
-    fn shard(&self, key_hash: u64) -> &Mutex<HashMap<u64, Nanos>> {
-        &self.shards[(key_hash >> 60) as usize % SHARDS]
+    fn shard(&self, fingerprint: u64) -> &Mutex<HashMap<u64, Nanos>> {
+        &self.shards[(fingerprint >> 60) as usize % SHARDS]
     }
 
-    /// How much longer `key_hash` stays blocked at `now`, if it is.
-    pub fn remaining(&self, key_hash: u64, now: Nanos) -> Option<Nanos> {
-        let until = *self.shard(key_hash).lock().get(&key_hash)?;
+    /// How much longer `fingerprint` stays blocked at `now`, if it is.
+    pub fn remaining(&self, fingerprint: u64, now: Nanos) -> Option<Nanos> {
+        let until = *self.shard(fingerprint).lock().get(&fingerprint)?;
         (until > now).then(|| until - now)
     }
 
-    /// Blocks `key_hash` from `now` for the rule's `blockFor`; returns how long.
-    pub fn block(&self, key_hash: u64, now: Nanos) -> Nanos {
+    /// Blocks `fingerprint` from `now` for the rule's `blockFor`; returns how long.
+    pub fn block(&self, fingerprint: u64, now: Nanos) -> Nanos {
         let until = now.saturating_add(self.block_for);
-        let mut shard = self.shard(key_hash).lock();
-        if shard.len() >= SHARD_CAP && !shard.contains_key(&key_hash) {
+        let mut shard = self.shard(fingerprint).lock();
+        if shard.len() >= SHARD_CAP && !shard.contains_key(&fingerprint) {
             shard.retain(|_, &mut t| t > now);
             if shard.len() >= SHARD_CAP {
                 return 0;
             }
         }
-        shard.insert(key_hash, until);
+        shard.insert(fingerprint, until);
         self.block_for
     }
 }

@@ -4,7 +4,7 @@
 //! it), all read without charging anything. `kubectl tollgate why` asks it
 //! through the API server's port-forward. The steps are the decision core's own
 //! ([`RuleSet::applies`]), so the explanation cannot drift from what `decide` does; keys appear as
-//! their identity (`keyHash`), never raw. The answer's shape is [`WhyAnswer`], shared with the
+//! their key hash (`keyHash`), never raw. The answer's shape is [`WhyAnswer`], shared with the
 //! plugin through `tollgate_crd::why`.
 
 use std::net::{IpAddr, SocketAddr};
@@ -188,7 +188,7 @@ fn explain_rule(
     {
         entry.missing_key_part = serde_json::to_value(source).ok();
     }
-    entry.key_hash = Some(crate::identity::display(shared.audit.key_identity(key)));
+    entry.key_hash = Some(crate::key_hash::display(shared.audit.key_hash(key)));
     entry.cost = Some(request_cost(&rule.cost, &req.parts));
     entry.state = Some(key_state(shared, active, key, now));
     entry
@@ -214,7 +214,7 @@ async fn would(
     now: Nanos,
     read_redis: bool,
 ) -> Would {
-    let hash = shared.audit.identity().hasher.hash(key);
+    let hash = shared.audit.key_hashes().fingerprinter.hash(key);
     if let Some(wait) = active.blocks.as_ref().and_then(|b| b.remaining(hash, now)) {
         return Would {
             retry_after_ms: Some(wait / 1_000_000),
@@ -374,7 +374,7 @@ fn key_state(shared: &Shared, active: &ActiveRule, key: &[u8], now: Nanos) -> Ke
     let blocked = active
         .blocks
         .as_ref()
-        .and_then(|b| b.remaining(shared.audit.identity().hasher.hash(key), now));
+        .and_then(|b| b.remaining(shared.audit.key_hashes().fingerprinter.hash(key), now));
     if let Some(wait) = blocked {
         return KeyState {
             tracked: true,

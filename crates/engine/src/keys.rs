@@ -81,7 +81,7 @@ pub fn client_ip_in<'a>(
 /// sees it) mixed with the counter key's hash. Seeding by the key alone sent every client of a
 /// shared bucket (no key, or a key per endpoint) back in the same second; with the address, many
 /// clients of one bucket spread over the jitter range, while each client's value stays stable.
-pub fn client_seed(parts: &Parts, peer: &SocketAddr, trusted_hops: u32, key_hash: u64) -> u64 {
+pub fn client_seed(parts: &Parts, peer: &SocketAddr, trusted_hops: u32, fingerprint: u64) -> u64 {
     use std::hash::{Hash, Hasher};
     // Fixed keys for the address part; the counter key's hash is keyed by the installation's
     // secret, so one client's jitter is the same against every sidecar of the installation.
@@ -90,7 +90,7 @@ pub fn client_seed(parts: &Parts, peer: &SocketAddr, trusted_hops: u32, key_hash
         ClientAddr::Peer(ip) | ClientAddr::Forwarded(ip) => ip.hash(&mut h),
         ClientAddr::Unparsed(text) => text.hash(&mut h),
     }
-    key_hash.hash(&mut h);
+    fingerprint.hash(&mut h);
     h.finish()
 }
 

@@ -6,7 +6,7 @@
 pub mod audit;
 pub mod block;
 pub mod explain;
-pub mod identity;
+pub mod key_hash;
 pub mod keys;
 pub mod listen;
 pub mod metrics;

@@ -39,7 +39,7 @@ use tollgate_crd::compiled::{Algorithm, Mode};
 use tollgate_limiter::{Nanos, Permit, StoreConfig};
 
 use crate::metrics::Metrics;
-use crate::rules::{KeyHasher, RuleEvent, RuleSet};
+use crate::rules::{Fingerprinter, RuleEvent, RuleSet};
 
 /// What `check --replay` was asked to do (the sidecar's command line parses it).
 #[derive(Debug, Clone, Default)]
@@ -315,11 +315,11 @@ impl Run {
         })
     }
 
-    fn decide(
+    fn replay_one(
         &mut self,
         req: &LogRequest,
         seq: u64,
-        hasher: &KeyHasher,
+        fingerprinter: &Fingerprinter,
         options: &Options,
         key_buf: &mut Vec<u8>,
     ) -> Outcome {
@@ -345,7 +345,7 @@ impl Run {
             &req.peer,
             req.at,
             key_buf,
-            hasher,
+            fingerprinter,
             &mut |ri, event| {
                 let Some(s) = stats.get_mut(ri) else {
                     return;
@@ -355,7 +355,7 @@ impl Run {
                     RuleEvent::SkippedMissingKey => s.skipped += 1,
                     RuleEvent::Decided {
                         key,
-                        key_hash,
+                        fingerprint,
                         decision,
                     } => {
                         decided = true;
@@ -369,12 +369,12 @@ impl Run {
                         } else {
                             s.rejected += 1;
                             let tracked = s.keys.len() < MAX_TRACKED_KEYS;
-                            match s.keys.get_mut(&key_hash) {
+                            match s.keys.get_mut(&fingerprint) {
                                 Some(entry) => entry.0 += 1,
                                 None if tracked => {
                                     let raw =
                                         options.raw_keys.then(|| crate::audit::printable(key));
-                                    s.keys.insert(key_hash, (1, raw));
+                                    s.keys.insert(fingerprint, (1, raw));
                                 }
                                 None => s.untracked += 1,
                             }
@@ -459,7 +459,7 @@ pub fn replay(
         }
         None => None,
     };
-    let hasher = KeyHasher::random();
+    let fingerprinter = Fingerprinter::random();
     let mut key_buf = Vec::with_capacity(256);
     let mut stats = LogStats::default();
     let mut newly_rejected = 0;
@@ -484,9 +484,12 @@ pub fn replay(
             }
             _ => clock = Some(req.at),
         }
-        let outcome = new.decide(&req, n, &hasher, options, &mut key_buf);
+        let outcome = new.replay_one(&req, n, &fingerprinter, options, &mut key_buf);
         if let Some(old) = &mut old {
-            match (old.decide(&req, n, &hasher, options, &mut key_buf), outcome) {
+            match (
+                old.replay_one(&req, n, &fingerprinter, options, &mut key_buf),
+                outcome,
+            ) {
                 (Outcome::Admitted, Outcome::Rejected) => newly_rejected += 1,
                 (Outcome::Rejected, Outcome::Admitted) => no_longer_rejected += 1,
                 _ => {}

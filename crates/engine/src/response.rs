@@ -110,7 +110,7 @@ struct Entry<'a> {
     profile: HeaderProfile,
     partition_key: bool,
     decision: &'a Decision,
-    key_hash: u64,
+    fingerprint: u64,
 }
 
 impl Entry<'_> {
@@ -126,10 +126,10 @@ impl Entry<'_> {
 type FieldValue = SmallVec<[u8; 256]>;
 
 /// Appends `;pk=:<base64>:`, the partition key: the counter key's hash, never the key.
-fn push_pk(buf: &mut FieldValue, key_hash: u64) {
+fn push_pk(buf: &mut FieldValue, fingerprint: u64) {
     let mut b64 = [0u8; 12];
     let n = base64::engine::general_purpose::STANDARD
-        .encode_slice(key_hash.to_be_bytes(), &mut b64)
+        .encode_slice(fingerprint.to_be_bytes(), &mut b64)
         .unwrap_or(0);
     buf.extend_from_slice(b";pk=:");
     buf.extend_from_slice(&b64[..n]);
@@ -177,7 +177,7 @@ fn write_fields(headers: &mut impl FieldSink, entries: &[Entry<'_>], retry: Opti
         push_list_sep(&mut buf, &mut first);
         buf.extend_from_slice(e.item);
         if e.partition_key {
-            push_pk(&mut buf, e.key_hash);
+            push_pk(&mut buf, e.fingerprint);
         }
     }
     if !buf.is_empty() {
@@ -196,7 +196,7 @@ fn write_fields(headers: &mut impl FieldSink, entries: &[Entry<'_>], retry: Opti
             buf.extend_from_slice(num.format(ceil_secs(t, 0)).as_bytes());
         }
         if e.partition_key {
-            push_pk(&mut buf, e.key_hash);
+            push_pk(&mut buf, e.fingerprint);
         }
     }
     if !buf.is_empty() {
@@ -263,7 +263,7 @@ fn entries<'a>(
                 profile: policy.header_profile,
                 partition_key: policy.partition_key,
                 decision: &l.decision,
-                key_hash: l.key_hash,
+                fingerprint: l.fingerprint,
             })
         })
         .collect()

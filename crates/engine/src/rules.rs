@@ -15,12 +15,12 @@ use smallvec::SmallVec;
 use http::request::Parts;
 use http::{HeaderName, HeaderValue};
 use tollgate_crd::compiled::*;
-use tollgate_limiter::{self as limiter, KeyedLimiter, Nanos, Permit, Quota, StoreConfig};
+use tollgate_limiter::{self as limiter, KeyedLimiter, Limit, Nanos, Permit, StoreConfig};
 
 use crate::block::BlockList;
 use crate::keys::{self, PartValue};
 use crate::metrics::{Metrics, RuleMetrics};
-use tollgate_global::quota::quota_for;
+use tollgate_global::limit::for_limiter;
 use tollgate_global::{GlobalRule, GlobalRuntime, LocalOutcome};
 
 /// A rule ready to evaluate.
@@ -68,7 +68,7 @@ impl RuleSet {
     }
 
     /// Builds a rule set, reusing the limiters (and so the counters) of `previous` for rules
-    /// whose id and quota are unchanged.
+    /// whose id and limit are unchanged.
     pub fn build(
         version: u64,
         policies: Vec<CompiledPolicy>,
@@ -77,10 +77,10 @@ impl RuleSet {
         metrics: &Metrics,
         global: Option<&Arc<GlobalRuntime>>,
     ) -> Result<RuleSet, String> {
-        let mut reuse: HashMap<(&str, Quota), &Arc<KeyedLimiter>> = HashMap::new();
+        let mut reuse: HashMap<(&str, Limit), &Arc<KeyedLimiter>> = HashMap::new();
         if let Some(prev) = previous {
             for r in &prev.rules {
-                reuse.insert((r.rule.id.as_str(), *r.limiter.quota()), &r.limiter);
+                reuse.insert((r.rule.id.as_str(), *r.limiter.limit()), &r.limiter);
             }
         }
         let mut rules = Vec::new();
@@ -89,11 +89,11 @@ impl RuleSet {
         for (pi, policy) in policies.into_iter().enumerate() {
             let policy_id = policy.id();
             for rule in &policy.rules {
-                let quota =
-                    quota_for(&rule.limit).map_err(|e| format!("{}: limit: {e}", rule.id))?;
-                let limiter = match reuse.get(&(rule.id.as_str(), quota)) {
+                let limit =
+                    for_limiter(&rule.limit).map_err(|e| format!("{}: limit: {e}", rule.id))?;
+                let limiter = match reuse.get(&(rule.id.as_str(), limit)) {
                     Some(l) => Arc::clone(l),
-                    None => Arc::new(KeyedLimiter::new(quota, *store)),
+                    None => Arc::new(KeyedLimiter::new(limit, *store)),
                 };
                 let global_rule = match (rule.scope, global) {
                     (Scope::Global, Some(rt)) => {
@@ -368,7 +368,7 @@ pub struct Pending {
     pub cost: u64,
     /// The request's own cost (see [`Settlement::counted`]).
     pub counted: u64,
-    pub key_hash: u64,
+    pub fingerprint: u64,
 }
 
 /// What a decision charged, for settling it at the response and for blocking.
@@ -383,8 +383,8 @@ pub struct Charge {
 pub struct Limited {
     pub rule: usize,
     pub decision: limiter::Decision,
-    /// Hash of the counter key, for jitter and the audit log.
-    pub key_hash: u64,
+    /// Fingerprint of the counter key, for blocks, jitter and top keys.
+    pub fingerprint: u64,
 }
 
 /// The rejecting rule, with the raw counter key kept for an audit log configured to show it.
@@ -403,7 +403,7 @@ pub enum RuleEvent<'a> {
     /// Matched and decided locally.
     Decided {
         key: &'a [u8],
-        key_hash: u64,
+        fingerprint: u64,
         decision: &'a limiter::Decision,
     },
 }
@@ -485,9 +485,9 @@ impl RuleSet {
         peer: &SocketAddr,
         now: Nanos,
         key_buf: &mut Vec<u8>,
-        hasher: &KeyHasher,
+        fingerprinter: &Fingerprinter,
     ) -> Verdict {
-        self.evaluate_observed(parts, peer, now, key_buf, hasher, &mut |_, _| {})
+        self.evaluate_observed(parts, peer, now, key_buf, fingerprinter, &mut |_, _| {})
     }
 
     /// [`RuleSet::evaluate`], telling `observe` what happened at each rule the request reached
@@ -500,7 +500,7 @@ impl RuleSet {
         peer: &SocketAddr,
         now: Nanos,
         key_buf: &mut Vec<u8>,
-        hasher: &KeyHasher,
+        fingerprinter: &Fingerprinter,
         observe: &mut impl FnMut(usize, RuleEvent<'_>),
     ) -> Verdict {
         let mut verdict = Verdict::default();
@@ -528,7 +528,7 @@ impl RuleSet {
                 }
             }
             let cost = request_cost(&active.rule.cost, parts);
-            let key_hash = hasher.hash(key_buf);
+            let fingerprint = fingerprinter.hash(key_buf);
             // A cost settled at the response takes only the reservation now.
             let charge = if active.rule.settles_at_response() {
                 u64::from(active.rule.cost.reserve)
@@ -540,7 +540,8 @@ impl RuleSet {
                 counted: cost,
                 now,
             };
-            let decision = match self.decide_rule(&mut verdict, ri, key_buf, key_hash, &charged) {
+            let decision = match self.decide_rule(&mut verdict, ri, key_buf, fingerprint, &charged)
+            {
                 RuleStep::Decided(d) => d,
                 RuleStep::Pending | RuleStep::Unavailable => continue,
                 RuleStep::Stop => return verdict,
@@ -549,11 +550,11 @@ impl RuleSet {
                 ri,
                 RuleEvent::Decided {
                     key: key_buf,
-                    key_hash,
+                    fingerprint,
                     decision: &decision,
                 },
             );
-            if self.account(&mut verdict, ri, decision, key_hash, key_buf, charged) {
+            if self.account(&mut verdict, ri, decision, fingerprint, key_buf, charged) {
                 return verdict;
             }
         }
@@ -612,7 +613,7 @@ impl RuleSet {
         verdict: &mut Verdict,
         ri: usize,
         key_buf: &[u8],
-        key_hash: u64,
+        fingerprint: u64,
         charged: &Charge,
     ) -> RuleStep {
         let active = &self.rules[ri];
@@ -620,7 +621,7 @@ impl RuleSet {
         if let Some(wait) = active
             .blocks
             .as_ref()
-            .and_then(|b| b.remaining(key_hash, now))
+            .and_then(|b| b.remaining(fingerprint, now))
         {
             return RuleStep::Decided(blocked_decision(&active.rule.limit, wait));
         }
@@ -634,7 +635,7 @@ impl RuleSet {
                         key: key_buf.to_vec(),
                         cost: charge,
                         counted: charged.counted,
-                        key_hash,
+                        fingerprint,
                     });
                     RuleStep::Pending
                 }
@@ -662,7 +663,7 @@ impl RuleSet {
         verdict: &mut Verdict,
         ri: usize,
         mut decision: limiter::Decision,
-        key_hash: u64,
+        fingerprint: u64,
         key: &[u8],
         charge: Charge,
     ) -> bool {
@@ -682,7 +683,7 @@ impl RuleSet {
                 verdict.admitted.push(Limited {
                     rule: ri,
                     decision,
-                    key_hash,
+                    fingerprint,
                 });
             }
             false
@@ -699,8 +700,8 @@ impl RuleSet {
                 let block = match &active.global {
                     Some(g) => g.block(key, charge.now),
                     None => blocks
-                        .remaining(key_hash, charge.now)
-                        .unwrap_or_else(|| blocks.block(key_hash, charge.now)),
+                        .remaining(fingerprint, charge.now)
+                        .unwrap_or_else(|| blocks.block(fingerprint, charge.now)),
                 };
                 decision.retry_after = decision.retry_after.max(block);
                 decision.reset = decision.reset.max(block);
@@ -709,7 +710,7 @@ impl RuleSet {
                 limited: Limited {
                     rule: ri,
                     decision,
-                    key_hash,
+                    fingerprint,
                 },
                 key: key.to_vec(),
             });
@@ -760,7 +761,7 @@ impl RuleSet {
                         counted: p.counted,
                         now,
                     };
-                    self.account(verdict, p.rule, d, p.key_hash, &p.key, charge)
+                    self.account(verdict, p.rule, d, p.fingerprint, &p.key, charge)
                 }
                 LocalOutcome::Unavailable => self.unavailable(verdict, p.rule, now),
                 LocalOutcome::NeedRemote => false,
@@ -841,18 +842,18 @@ pub(crate) fn request_cost(cost: &CompiledCost, parts: &Parts) -> u64 {
     }
 }
 
-/// Keyed hash of counter keys on the hot path (blocks, top keys, the `pk` partition key, the
+/// Fingerprints of counter keys on the hot path (blocks, top keys, the `pk` partition key, the
 /// `Retry-After` jitter): not reversible and not predictable by clients. Keyed from the
-/// installation's key-hash secret ([`crate::identity::KeyIdentity`]), so one client gets the
+/// installation's key-hash secret ([`crate::key_hash::KeyHashes`]), so one client gets the
 /// same `pk` and the same jitter from every sidecar of the installation; random where no
 /// secret is shared (tests, replays).
 #[derive(Clone)]
-pub struct KeyHasher(siphasher::sip::SipHasher13);
+pub struct Fingerprinter(siphasher::sip::SipHasher13);
 
-impl KeyHasher {
-    /// A hasher under fixed keys (derived from a secret by the caller).
+impl Fingerprinter {
+    /// A fingerprinter under fixed keys (derived from a secret by the caller).
     pub fn with_keys(k0: u64, k1: u64) -> Self {
-        KeyHasher(siphasher::sip::SipHasher13::new_with_keys(k0, k1))
+        Fingerprinter(siphasher::sip::SipHasher13::new_with_keys(k0, k1))
     }
 
     pub fn random() -> Self {
@@ -862,7 +863,7 @@ impl KeyHasher {
         a.write_u8(1);
         let mut b = rs.build_hasher();
         b.write_u8(2);
-        KeyHasher(siphasher::sip::SipHasher13::new_with_keys(
+        Fingerprinter(siphasher::sip::SipHasher13::new_with_keys(
             a.finish(),
             b.finish(),
         ))
@@ -920,7 +921,7 @@ mod tests {
             max_delay_ms: u64::MAX,
             block_for_ms: u64::MAX,
         };
-        let _ = quota_for(&limit);
+        let _ = for_limiter(&limit);
         let parts = http::Request::builder()
             .header("x-cost", "50")
             .body(())
@@ -993,7 +994,7 @@ spec:
             .unwrap();
         let rules = local_set(policy).unwrap();
         let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
-        let hasher = KeyHasher::random();
+        let fingerprinter = Fingerprinter::random();
         let mut buf = Vec::new();
         let applies = |parts: &Parts, buf: &mut Vec<u8>| -> Vec<Applies> {
             (0..3)
@@ -1032,7 +1033,7 @@ spec:
         // The limit counts per api_key value: k1 gets 2, then k2 still gets 2.
         let admitted = |parts: &Parts, buf: &mut Vec<u8>| {
             rules
-                .evaluate(parts, &peer, 0, buf, &hasher)
+                .evaluate(parts, &peer, 0, buf, &fingerprinter)
                 .rejected
                 .is_none()
         };

@@ -1,5 +1,5 @@
 //! The decision engine every edge shares: the rule set in force, decision metrics, key
-//! identities, the audit log and the global (Redis) runtime. The edges (the HTTP proxy, the
+//! hashes, the audit log and the global (Redis) runtime. The edges (the HTTP proxy, the
 //! Envoy rate limit service) read it and map its decisions to their protocol; it knows
 //! nothing of them.
 
@@ -26,7 +26,7 @@ pub struct Shared {
     pub(crate) rules: ArcSwap<RuleSet>,
     pub(crate) metrics: Metrics,
     pub(crate) clock: MonotonicClock,
-    /// Also holds the key identities and the hot path's key hash (`audit.identity()`).
+    /// Also holds the key hashes and the hot path's fingerprints (`audit.key_hashes()`).
     pub(crate) audit: AuditLog,
     /// True once a rule set has been loaded.
     pub(crate) ready: AtomicBool,
@@ -63,12 +63,12 @@ impl Shared {
     /// request nothing else refused.
     pub async fn decide(&self, rules: &RuleSet, parts: &Parts, peer: &SocketAddr) -> Verdict {
         let started = self.clock.now();
-        let identity = self.audit.identity();
+        let key_hashes = self.audit.key_hashes();
         let mut verdict = KEY_BUF.with(|buf| {
             let mut buf = buf.borrow_mut();
-            rules.evaluate(parts, peer, started, &mut buf, &identity.hasher)
+            rules.evaluate(parts, peer, started, &mut buf, &key_hashes.fingerprinter)
         });
-        drop(identity);
+        drop(key_hashes);
         if !verdict.pending.is_empty()
             && verdict.rejected.is_none()
             && verdict.unavailable.is_none()
@@ -106,7 +106,7 @@ impl Shared {
         &self.clock
     }
 
-    /// The audit log, which also holds the key identities.
+    /// The audit log, which also holds the key hashes.
     pub fn audit(&self) -> &AuditLog {
         &self.audit
     }

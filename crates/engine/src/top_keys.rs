@@ -14,10 +14,10 @@ pub const CAPACITY: usize = 64;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Entry {
     pub rule: String,
-    /// The per-process hash the sketch counts by.
+    /// The hot path's fingerprint of the key, which the sketch counts by.
+    pub fingerprint: u64,
+    /// The key's key hash (`crate::key_hash`), shown to operators.
     pub key_hash: u64,
-    /// The key's stable identity (`crate::identity`), shown to operators.
-    pub identity: u64,
     /// The raw key, only when `--audit-raw-keys` is set.
     pub key: Option<String>,
     pub count: u64,
@@ -32,29 +32,29 @@ pub struct TopKeys {
 }
 
 impl TopKeys {
-    /// Counts one rejection of `key_hash` by `rule`. `describe` gives the key's identity and
+    /// Counts one rejection of `fingerprint` by `rule`. `describe` gives the key's key hash and
     /// (with `--audit-raw-keys`) the raw key; it runs only when the key takes a counter, so a
     /// key already counted costs no HMAC.
     pub fn record(
         &self,
         rule: &str,
-        key_hash: u64,
+        fingerprint: u64,
         describe: impl FnOnce() -> (u64, Option<String>),
     ) {
         let mut entries = self.entries.lock();
         if let Some(e) = entries
             .iter_mut()
-            .find(|e| e.key_hash == key_hash && e.rule == rule)
+            .find(|e| e.fingerprint == fingerprint && e.rule == rule)
         {
             e.count += 1;
             return;
         }
         if entries.len() < CAPACITY {
-            let (identity, key) = describe();
+            let (key_hash, key) = describe();
             entries.push(Entry {
                 rule: rule.to_string(),
+                fingerprint,
                 key_hash,
-                identity,
                 key,
                 count: 1,
                 error: 0,
@@ -63,11 +63,11 @@ impl TopKeys {
         }
         if let Some(min) = entries.iter_mut().min_by_key(|e| e.count) {
             let floor = min.count;
-            let (identity, key) = describe();
+            let (key_hash, key) = describe();
             *min = Entry {
                 rule: rule.to_string(),
+                fingerprint,
                 key_hash,
-                identity,
                 key,
                 count: floor + 1,
                 error: floor,
@@ -105,8 +105,8 @@ mod tests {
         }
         let snap = top.snapshot();
         assert!(snap.len() <= CAPACITY);
-        assert_eq!(snap[0].key_hash, 1);
-        assert_eq!(snap[1].key_hash, 2);
+        assert_eq!(snap[0].fingerprint, 1);
+        assert_eq!(snap[1].fingerprint, 2);
         assert!(snap[0].count >= 100_000 && snap[0].count - snap[0].error <= 100_000);
     }
 

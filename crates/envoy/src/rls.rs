@@ -348,7 +348,7 @@ fn unit_of(
 /// The headers (and, when limited, the body) Envoy gives the client: the sidecar's own 429 or
 /// 503, or the RateLimit fields of an admitted request.
 fn write_response(rules: &RuleSet, verdict: &Verdict, over: bool, answer: &mut RateLimitResponse) {
-    let seed = verdict.tightest().map_or(0, |l| l.key_hash);
+    let seed = verdict.tightest().map_or(0, |l| l.fingerprint);
     let (headers, body) = match verdict.outcome() {
         Outcome::Reject(_) if over => {
             let (p, body) = response::too_many_requests(rules, verdict, seed).into_parts();

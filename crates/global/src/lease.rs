@@ -20,7 +20,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use tollgate_crd::compiled::{Accuracy, Algorithm, CompiledLimit, CompiledRule, FailureMode};
-use tollgate_limiter::{Decision, KeyedLimiter, Nanos, Quota, StoreConfig};
+use tollgate_limiter::{Decision, KeyedLimiter, Limit, Nanos, StoreConfig};
 
 use crate::GlobalMetrics;
 use crate::store::{LeaseOp, LeaseReply, SETTLEMENT_RETRY_FOR, Store, StoreError};
@@ -493,7 +493,7 @@ impl GlobalRule {
             .ok_or_else(|| format!("{}: {:?} cannot be global", rule.id, rule.limit.algorithm))?;
         let capacity = rule.capacity();
         let fallback = Arc::new(KeyedLimiter::new(
-            share_quota(&rule.limit, 1).map_err(|e| format!("{}: {e}", rule.id))?,
+            share_limit(&rule.limit, 1).map_err(|e| format!("{}: {e}", rule.id))?,
             store_config,
         ));
         Ok(GlobalRule {
@@ -541,7 +541,7 @@ impl GlobalRule {
     pub fn set_live_sidecars(&self, n: u32) {
         let n = n.max(1);
         if self.live.swap(n, Ordering::Relaxed) != n
-            && let Ok(q) = share_quota(&self.limit, n)
+            && let Ok(q) = share_limit(&self.limit, n)
         {
             self.fallback
                 .store(Arc::new(KeyedLimiter::new(q, self.store_config)));
@@ -1626,13 +1626,13 @@ fn take_up_to(a: &AtomicU64, n: u64) -> u64 {
     }
 }
 
-/// The local fallback quota: the rule's limit divided among `n` sidecars.
-fn share_quota(limit: &CompiledLimit, n: u32) -> Result<Quota, tollgate_limiter::QuotaError> {
+/// The local fallback limit: the rule's limit divided among `n` sidecars.
+fn share_limit(limit: &CompiledLimit, n: u32) -> Result<Limit, tollgate_limiter::LimitError> {
     let mut limit = *limit;
     let n = u64::from(n.max(1));
     limit.requests = (limit.requests / n).max(1);
     limit.burst = (limit.burst / n).max(1);
-    crate::quota::quota_for(&limit)
+    crate::limit::for_limiter(&limit)
 }
 
 #[cfg(test)]

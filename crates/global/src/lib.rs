@@ -5,11 +5,11 @@
 //! - [`store`]: Redis, the Lua scripts, timeouts and the circuit breaker.
 //! - [`lease`]: per-rule local allowances and the hot path that spends them.
 //! - [`sync`]: the background loop (returns, top-ups, membership heartbeats).
-//! - [`quota`]: a compiled limit as the limiter's quota (the local rules use it too).
+//! - [`limit`]: a compiled limit as the limiter's [`Limit`](tollgate_limiter::Limit) (the local rules use it too).
 //! - this module: the metrics, registered by this crate.
 
 pub mod lease;
-pub mod quota;
+pub mod limit;
 pub mod store;
 pub mod sync;
 

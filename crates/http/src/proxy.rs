@@ -225,12 +225,12 @@ pub async fn handle(
 /// client's address is read the way the deciding rule reads it: its `clientIP` key's
 /// `trustedHops`, else the policy's bypass `trustedHops`, else the TCP peer.
 fn rejection_seed(rules: &RuleSet, verdict: &Verdict, parts: &Parts, peer: &SocketAddr) -> u64 {
-    let (rule, key_hash) = match (&verdict.rejected, verdict.unavailable) {
-        (Some(r), _) => (r.limited.rule, r.limited.key_hash),
+    let (rule, fingerprint) = match (&verdict.rejected, verdict.unavailable) {
+        (Some(r), _) => (r.limited.rule, r.limited.fingerprint),
         (None, Some(ri)) => (ri, 0),
         (None, None) => return 0,
     };
-    keys::client_seed(parts, peer, trusted_hops(rules, rule), key_hash)
+    keys::client_seed(parts, peer, trusted_hops(rules, rule), fingerprint)
 }
 
 /// The `X-Forwarded-For` entries trusted for the client address of a rule's requests: the

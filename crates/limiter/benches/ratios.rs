@@ -1,4 +1,4 @@
-//! Noise-resistant companion to `vs_governor`: the same scenarios and quota, but tollgate and
+//! Noise-resistant companion to `vs_governor`: the same scenarios and limit, but tollgate and
 //! governor are measured in interleaved rounds (A B A B …) and each side's best round is
 //! kept, so load from other processes on a shared 2-core machine affects both sides alike
 //! and preempted rounds drop out. Prints a table of ns per decision and the ratios behind
@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use governor::{Quota as GQuota, RateLimiter};
 use tollgate_limiter::{
-    Algorithm, Clock, KeyedLimiter, LimiterState, MonotonicClock, Params, Quota, SECOND,
+    Algorithm, Clock, KeyedLimiter, Limit, LimiterState, MonotonicClock, Params, SECOND,
     StoreConfig, TokenBucket,
 };
 
@@ -59,8 +59,8 @@ fn nz(n: u32) -> NonZeroU32 {
     NonZeroU32::MIN.saturating_add(n.saturating_sub(1))
 }
 
-fn quota() -> Quota {
-    Quota {
+fn limit() -> Limit {
+    Limit {
         algorithm: Algorithm::TokenBucket,
         requests: u64::from(RATE),
         period: SECOND,
@@ -154,7 +154,7 @@ fn median(v: &[f64]) -> f64 {
 )]
 fn main() {
     let (gkeys, bkeys) = keys();
-    let q = quota();
+    let q = limit();
     let p = Params::new(&q);
 
     let names = [
@@ -186,7 +186,7 @@ fn main() {
     let gk = RateLimiter::<u64, _, _, _>::dashmap_with_clock(gquota(), TlsClock);
     let g2k = RateLimiter::<u64, _, _, _>::dashmap_with_clock(gquota(), TlsClock);
     // Real clocks: T = 1 ns, burst 1000, so a tight loop is mostly admitted on both sides.
-    let rq = Quota {
+    let rq = Limit {
         requests: SECOND,
         burst: 1_000,
         ..q

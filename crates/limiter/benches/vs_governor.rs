@@ -1,8 +1,8 @@
-//! Decision cost, tollgate vs governor, same quota, same run.
+//! Decision cost, tollgate vs governor, same limit, same run.
 //!
 //! Single-threaded groups read time from the same near-free fake clock on both sides (a
 //! thread-local counter advanced by the benchmark loop), so they compare decision cost, not
-//! clock cost. Quota: 1 000 000 per second (T = 1 µs), burst 100; each iteration advances
+//! clock cost. Limit: 1 000 000 per second (T = 1 µs), burst 100; each iteration advances
 //! the clock by 1 µs, so a single key runs exactly at its rate (all admitted) and 10k keys
 //! far below it.
 //!
@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use governor::{Quota as GQuota, RateLimiter};
 use tollgate_limiter::{
-    Algorithm, Clock, KeyedLimiter, LimiterState, MonotonicClock, Params, Quota, SECOND,
+    Algorithm, Clock, KeyedLimiter, Limit, LimiterState, MonotonicClock, Params, SECOND,
     StoreConfig, TokenBucket,
 };
 
@@ -74,9 +74,9 @@ fn gquota() -> GQuota {
     GQuota::per_second(nz(RATE)).allow_burst(nz(BURST))
 }
 
-/// Same quota as `gquota` (a literal: validated by construction, no `expect` needed).
-fn quota() -> Quota {
-    Quota {
+/// Same limit as `gquota` (a literal: validated by construction, no `expect` needed).
+fn limit() -> Limit {
+    Limit {
         algorithm: Algorithm::TokenBucket,
         requests: u64::from(RATE),
         period: SECOND,
@@ -86,7 +86,7 @@ fn quota() -> Quota {
 }
 
 fn keyed() -> KeyedLimiter {
-    KeyedLimiter::new(quota(), StoreConfig::default())
+    KeyedLimiter::new(limit(), StoreConfig::default())
 }
 
 /// The same pseudo-random permutation of 0..KEYS for both sides.
@@ -109,7 +109,7 @@ fn single_key(c: &mut Criterion) {
     g.throughput(Throughput::Elements(1));
 
     g.bench_function("tollgate_state", |b| {
-        let p = Params::new(&quota());
+        let p = Params::new(&limit());
         let mut tb = TokenBucket::new();
         b.iter(|| black_box(tb.acquire_with(&p, tick(), 1).allowed));
     });
@@ -198,11 +198,11 @@ fn two_threads(iters: u64, f: &(dyn Fn(usize, u64) + Sync)) -> Duration {
 
 /// Quotas for real-clock runs: T = 1 ns, burst 1000, so a tight loop stays under the rate
 /// (mostly admitted) on both sides.
-fn real_quotas() -> Option<(Quota, GQuota)> {
-    let q = Quota {
+fn real_quotas() -> Option<(Limit, GQuota)> {
+    let q = Limit {
         requests: SECOND,
         burst: 1_000,
-        ..quota()
+        ..limit()
     };
     let gq = GQuota::with_period(Duration::from_nanos(1))?.allow_burst(nz(1_000));
     Some((q, gq))

@@ -2,7 +2,7 @@
 
 use crate::Nanos;
 
-/// Result of charging `cost` against a quota at some `now`.
+/// Result of charging `cost` against a limit at some `now`.
 ///
 /// All durations are relative to the `now` of the decision, in nanoseconds; the HTTP layer
 /// rounds them up to whole seconds for headers.
@@ -17,13 +17,13 @@ pub struct Decision {
     /// Units still available right after this decision (for `RateLimit-Remaining`). For the
     /// leaky bucket: units that would still be forwarded without delay.
     pub remaining: u64,
-    /// Time until the quota is fully available again (bucket full / windows empty), or 0 if it
+    /// Time until the limit is fully available again (bucket full / windows empty), or 0 if it
     /// already is. For the fixed window this is the time until the window resets.
     /// Concurrency limits have no time dimension and report 0.
     pub reset: Nanos,
     /// 0 when allowed. When rejected: how long until the same `cost` would be admitted if
     /// nothing else happened, or [`NEVER`](crate::NEVER) if `cost` can never fit. For
-    /// concurrency limits this is only a hint (the quota's `period`), since admission depends
+    /// concurrency limits this is only a hint (the limit's `period`), since admission depends
     /// on other requests finishing.
     pub retry_after: Nanos,
     /// Leaky bucket shaping: how long the caller must hold the request before forwarding it.

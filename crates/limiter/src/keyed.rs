@@ -8,7 +8,7 @@ use crate::algorithms::{
 };
 use crate::store::{KeyHash, Slot, Store};
 use crate::{
-    Algorithm, Decision, Nanos, Params, Quota, QuotaError, SLIDING_LOG_MAX_BYTES, StoreConfig,
+    Algorithm, Decision, Limit, LimitError, Nanos, Params, SLIDING_LOG_MAX_BYTES, StoreConfig,
 };
 
 enum Inner {
@@ -21,7 +21,7 @@ enum Inner {
     Concurrency(Arc<Store<ConcurrencyLimit>>),
 }
 
-/// Decides one rule's quota per key. `Send + Sync`; share it with `Arc`.
+/// Decides one rule's limit per key. `Send + Sync`; share it with `Arc`.
 ///
 /// Keys are arbitrary bytes (e.g. `b"ip:203.0.113.7"`); use an empty key for a rule-wide
 /// limit. See [`StoreConfig`] for the memory bound and what happens at the cap.
@@ -30,21 +30,21 @@ pub struct KeyedLimiter {
 }
 
 impl KeyedLimiter {
-    /// A limiter for `quota`. A quota that fails [`Quota::validate`] (only possible when built
-    /// by hand) is normalised instead (see [`Quota::normalized`]); use
+    /// A limiter for `limit`. A limit that fails [`Limit::validate`] (only possible when built
+    /// by hand) is normalised instead (see [`Limit::normalized`]); use
     /// [`try_new`](Self::try_new) to get the error.
     ///
     /// For [`Algorithm::SlidingLog`], `max_keys` is further capped so that all logs together
     /// stay within [`SLIDING_LOG_MAX_BYTES`] (8 bytes per unit of `requests` per key).
-    pub fn new(quota: Quota, cfg: StoreConfig) -> Self {
-        let params = Params::new(&quota);
-        let inner = match quota.algorithm {
+    pub fn new(limit: Limit, cfg: StoreConfig) -> Self {
+        let params = Params::new(&limit);
+        let inner = match limit.algorithm {
             Algorithm::TokenBucket => Inner::TokenBucket(Store::new(params, &cfg)),
             Algorithm::SlidingWindow => Inner::SlidingWindow(Store::new(params, &cfg)),
             Algorithm::FixedWindow => Inner::FixedWindow(Store::new(params, &cfg)),
             Algorithm::SlidingLog => {
                 // Bound the logs' total memory, not just the number of keys.
-                let per_key = params.quota().requests.saturating_mul(8).max(1);
+                let per_key = params.limit().requests.saturating_mul(8).max(1);
                 let fit = usize::try_from(SLIDING_LOG_MAX_BYTES / per_key).unwrap_or(usize::MAX);
                 let cfg = StoreConfig {
                     max_keys: cfg.max_keys.min(fit.max(1)),
@@ -58,18 +58,18 @@ impl KeyedLimiter {
         Self { inner }
     }
 
-    /// Like [`new`](Self::new) but refuses an invalid quota.
-    pub fn try_new(quota: Quota, cfg: StoreConfig) -> Result<Self, QuotaError> {
-        quota.validate()?;
-        Ok(Self::new(quota, cfg))
+    /// Like [`new`](Self::new) but refuses an invalid limit.
+    pub fn try_new(limit: Limit, cfg: StoreConfig) -> Result<Self, LimitError> {
+        limit.validate()?;
+        Ok(Self::new(limit, cfg))
     }
 
-    /// The (normalised) quota being enforced.
-    pub fn quota(&self) -> &Quota {
-        self.params().quota()
+    /// The (normalised) limit being enforced.
+    pub fn limit(&self) -> &Limit {
+        self.params().limit()
     }
 
-    /// The precomputed quota.
+    /// The precomputed limit.
     pub fn params(&self) -> &Params {
         self.stats().params()
     }
@@ -92,7 +92,7 @@ impl KeyedLimiter {
     }
 
     /// The decision a request of `cost` would get at `now`, from the key's state (or a new
-    /// key's full quota), without charging, creating or refreshing anything: for `why` views
+    /// key's full limit), without charging, creating or refreshing anything: for `why` views
     /// that must say "admitted", "delayed" or "rejected" and be right.
     pub fn preview(&self, key: &[u8], now: Nanos, cost: u64) -> Decision {
         fn query<S: crate::LimiterState + Clone>(
@@ -116,7 +116,7 @@ impl KeyedLimiter {
     /// The key's state at `now` as a zero-cost decision (`remaining`, `reset`), without
     /// charging, creating or refreshing anything: for debugging views. `None` when the key has
     /// no stored state (never seen, or evicted while idle): its next request sees the full
-    /// quota. For [`Algorithm::Concurrency`], `remaining` is the cap less what is in flight.
+    /// limit. For [`Algorithm::Concurrency`], `remaining` is the cap less what is in flight.
     pub fn peek(&self, key: &[u8], now: Nanos) -> Option<Decision> {
         fn query<S: crate::LimiterState + Clone>(
             s: &Store<S>,
@@ -282,7 +282,7 @@ impl<S: crate::LimiterState> StoreStats for Store<S> {
 impl fmt::Debug for KeyedLimiter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KeyedLimiter")
-            .field("quota", self.quota())
+            .field("limit", self.limit())
             .field("shards", &self.shards())
             .field("capacity", &self.capacity())
             .finish_non_exhaustive()
@@ -296,7 +296,7 @@ struct Hold {
     cost: u64,
 }
 
-/// Held in-flight units of a concurrency quota; released when dropped. `Send + 'static`, so
+/// Held in-flight units of a concurrency limit; released when dropped. `Send + 'static`, so
 /// it can move into the task that streams the response.
 #[must_use = "dropping the permit releases the units immediately"]
 pub struct Permit {

@@ -11,11 +11,11 @@
 //!   headers need.
 //!
 //! ```
-//! use tollgate_limiter::{Algorithm, Clock, FakeClock, KeyedLimiter, Quota, SECOND, StoreConfig};
+//! use tollgate_limiter::{Algorithm, Clock, FakeClock, KeyedLimiter, Limit, SECOND, StoreConfig};
 //!
 //! // 2 requests per second, bursts of 5.
-//! let quota = Quota::new(Algorithm::TokenBucket, 2, SECOND, 5, 0)?;
-//! let limiter = KeyedLimiter::new(quota, StoreConfig::default());
+//! let limit = Limit::new(Algorithm::TokenBucket, 2, SECOND, 5, 0)?;
+//! let limiter = KeyedLimiter::new(limit, StoreConfig::default());
 //! let clock = FakeClock::new(0);
 //!
 //! let admitted = (0..10).filter(|_| limiter.check(b"ip:203.0.113.7", clock.now(), 1).allowed);
@@ -28,7 +28,7 @@
 //!
 //! clock.advance(SECOND);
 //! assert!(limiter.check(b"ip:203.0.113.7", clock.now(), 2).allowed);
-//! # Ok::<(), tollgate_limiter::QuotaError>(())
+//! # Ok::<(), tollgate_limiter::LimitError>(())
 //! ```
 
 pub mod algorithms;
@@ -36,8 +36,8 @@ mod clock;
 mod decision;
 mod divide;
 mod keyed;
+mod limit;
 mod lock;
-mod quota;
 mod siphash;
 mod store;
 
@@ -48,8 +48,8 @@ pub use algorithms::{
 pub use clock::{Clock, FakeClock, MonotonicClock};
 pub use decision::Decision;
 pub use keyed::{KeyedLimiter, Permit};
-pub use quota::{
-    Algorithm, MAX_SLIDING_LOG_REQUESTS, Params, Quota, QuotaError, SLIDING_LOG_MAX_BYTES,
+pub use limit::{
+    Algorithm, Limit, LimitError, MAX_SLIDING_LOG_REQUESTS, Params, SLIDING_LOG_MAX_BYTES,
 };
 pub use store::{MIN_SCAN_INTERVAL, StoreConfig};
 
@@ -57,11 +57,11 @@ pub use store::{MIN_SCAN_INTERVAL, StoreConfig};
 pub type Nanos = u64;
 
 /// Returned as [`Decision::retry_after`] when the request can never be admitted (its `cost`
-/// exceeds what the quota can ever hold). Callers should map it to a plain 429 without a
+/// exceeds what the limit can ever hold). Callers should map it to a plain 429 without a
 /// meaningful `Retry-After` (or a large one).
 pub const NEVER: Nanos = Nanos::MAX;
 
-/// Nanoseconds per second, for building quotas.
+/// Nanoseconds per second, for building limits.
 pub const SECOND: Nanos = 1_000_000_000;
 /// Nanoseconds per millisecond.
 pub const MILLISECOND: Nanos = 1_000_000;

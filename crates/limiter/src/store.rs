@@ -18,7 +18,7 @@
 //!   nothing in flight), plus an optional grace `idle_ttl`; evicting then loses nothing.
 //! * At the cap, a new key first triggers a scan of its shard for evictable entries (rate
 //!   limited, see [`MIN_SCAN_INTERVAL`]); if the shard is still full the request is decided
-//!   against the shard's single shared *overflow* state with the same quota. Existing keys are
+//!   against the shard's single shared *overflow* state with the same limit. Existing keys are
 //!   unaffected, memory does not grow, and a flood of distinct keys starves itself.
 
 use std::collections::hash_map::RandomState;
@@ -42,7 +42,7 @@ pub struct StoreConfig {
     /// store never holds more than this.
     pub max_keys: usize,
     /// Extra grace after an entry becomes idle (equivalent to a new key) before it is evicted.
-    /// 0 (the default) derives the TTL from the quota: a token/leaky bucket entry lives until
+    /// 0 (the default) derives the TTL from the limit: a token/leaky bucket entry lives until
     /// refilled (≤ `burst × period / requests` after its last request), a fixed window until
     /// its window ends (≤ `period`), a sliding window until both windows are empty
     /// (≤ 2 × `period`), a sliding log until its newest entry expires (`period`), and a
@@ -54,7 +54,7 @@ pub struct StoreConfig {
 }
 
 impl Default for StoreConfig {
-    /// 1 M keys, TTL derived from the quota, 64 shards (≥ 4 × cores on the machines we target,
+    /// 1 M keys, TTL derived from the limit, 64 shards (≥ 4 × cores on the machines we target,
     /// so two cores rarely meet on one lock).
     fn default() -> Self {
         Self {

@@ -12,11 +12,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use tollgate_limiter::{
-    Algorithm, Clock, FakeClock, KeyedLimiter, MILLISECOND, MIN_SCAN_INTERVAL, NEVER, Permit,
-    Quota, QuotaError, SECOND, StoreConfig,
+    Algorithm, Clock, FakeClock, KeyedLimiter, Limit, LimitError, MILLISECOND, MIN_SCAN_INTERVAL,
+    NEVER, Permit, SECOND, StoreConfig,
 };
 
-fn limiter(q: Quota) -> KeyedLimiter {
+fn limiter(q: Limit) -> KeyedLimiter {
     KeyedLimiter::new(q, StoreConfig::default())
 }
 
@@ -30,14 +30,14 @@ fn seed_examples_through_the_store() {
 
     // Sliding window, 10/s: 10 of 15 immediate requests pass; halfway into the next window
     // only 5 more.
-    let sw = limiter(Quota::per_period(Algorithm::SlidingWindow, 10, SECOND).unwrap());
+    let sw = limiter(Limit::per_period(Algorithm::SlidingWindow, 10, SECOND).unwrap());
     assert_eq!(admitted(&sw, b"client", clock.now(), 15), 10);
     clock.advance(SECOND + SECOND / 2);
     assert_eq!(admitted(&sw, b"client", clock.now(), 15), 5);
 
     // Token bucket, capacity 5, refill 2/s: 10 immediate -> 5; after 1 s exactly 2; after a
     // long idle the bucket caps at 5.
-    let tb = limiter(Quota::new(Algorithm::TokenBucket, 2, SECOND, 5, 0).unwrap());
+    let tb = limiter(Limit::new(Algorithm::TokenBucket, 2, SECOND, 5, 0).unwrap());
     let t0 = clock.now();
     assert_eq!(admitted(&tb, b"client", t0, 10), 5);
     assert_eq!(admitted(&tb, b"client", t0 + SECOND, 10), 2);
@@ -45,14 +45,14 @@ fn seed_examples_through_the_store() {
 
     // Fixed window: the full limit at the end of one window and again at the start of the
     // next, i.e. 2x within 2 ms (the documented flaw).
-    let fw = limiter(Quota::per_period(Algorithm::FixedWindow, 10, SECOND).unwrap());
+    let fw = limiter(Limit::per_period(Algorithm::FixedWindow, 10, SECOND).unwrap());
     assert_eq!(admitted(&fw, b"client", 100 * SECOND - MILLISECOND, 15), 10);
     assert_eq!(admitted(&fw, b"client", 100 * SECOND + MILLISECOND, 15), 10);
 }
 
 #[test]
 fn keys_are_independent_and_headers_are_filled() {
-    let l = limiter(Quota::per_period(Algorithm::FixedWindow, 3, SECOND).unwrap());
+    let l = limiter(Limit::per_period(Algorithm::FixedWindow, 3, SECOND).unwrap());
     assert_eq!(admitted(&l, b"a", 0, 5), 3);
     assert_eq!(admitted(&l, b"b", 0, 5), 3);
     assert_eq!(admitted(&l, b"", 0, 5), 3, "the empty key is a key too");
@@ -66,7 +66,7 @@ fn keys_are_independent_and_headers_are_filled() {
 
 #[test]
 fn leaky_bucket_delay_through_the_store() {
-    let q = Quota::new(Algorithm::LeakyBucket, 10, SECOND, 1, 250 * MILLISECOND).unwrap();
+    let q = Limit::new(Algorithm::LeakyBucket, 10, SECOND, 1, 250 * MILLISECOND).unwrap();
     let l = limiter(q);
     let delays: Vec<_> = (0..4).map(|_| l.check(b"k", 0, 1)).collect();
     assert_eq!(
@@ -84,11 +84,11 @@ fn leaky_bucket_delay_through_the_store() {
 }
 
 /// At the cap: existing keys keep their own state; new keys share one overflow state per
-/// shard (so a flood cannot grow memory or get more than one quota between them); idle
+/// shard (so a flood cannot grow memory or get more than one limit between them); idle
 /// entries are evicted to make room once they can be.
 #[test]
 fn at_capacity_new_keys_share_the_overflow_state() {
-    let q = Quota::new(Algorithm::TokenBucket, 1, SECOND, 2, 0).unwrap();
+    let q = Limit::new(Algorithm::TokenBucket, 1, SECOND, 2, 0).unwrap();
     let cfg = StoreConfig {
         max_keys: 4,
         idle_ttl: 0,
@@ -129,7 +129,7 @@ fn at_capacity_new_keys_share_the_overflow_state() {
 /// of new keys cannot force an O(shard) scan per request.
 #[test]
 fn overflow_scan_is_rate_limited() {
-    let q = Quota::new(Algorithm::TokenBucket, 1, SECOND, 1, 0).unwrap();
+    let q = Limit::new(Algorithm::TokenBucket, 1, SECOND, 1, 0).unwrap();
     let l = KeyedLimiter::new(
         q,
         StoreConfig {
@@ -159,7 +159,7 @@ fn overflow_scan_is_rate_limited() {
 
 #[test]
 fn idle_eviction_is_lossless_and_honours_the_grace() {
-    let q = Quota::new(Algorithm::TokenBucket, 10, SECOND, 5, 0).unwrap();
+    let q = Limit::new(Algorithm::TokenBucket, 10, SECOND, 5, 0).unwrap();
     let l = KeyedLimiter::new(
         q,
         StoreConfig {
@@ -191,7 +191,7 @@ fn default_ttl_is_derived_from_the_quota() {
         (Algorithm::SlidingLog, SECOND),  // newest entry + period
     ];
     for (alg, idle_at) in cases {
-        let l = limiter(Quota::new(alg, 2, SECOND, 2, 0).unwrap());
+        let l = limiter(Limit::new(alg, 2, SECOND, 2, 0).unwrap());
         assert!(l.check(b"k", 0, 2).allowed, "{alg:?}");
         assert_eq!(l.evict_idle(idle_at - 1), 0, "{alg:?}");
         assert_eq!(l.evict_idle(idle_at), 1, "{alg:?}");
@@ -200,7 +200,7 @@ fn default_ttl_is_derived_from_the_quota() {
 
 #[test]
 fn concurrency_permits_release_on_drop() {
-    let q = Quota::per_period(Algorithm::Concurrency, 2, SECOND).unwrap();
+    let q = Limit::per_period(Algorithm::Concurrency, 2, SECOND).unwrap();
     let l = limiter(q);
     let p1 = l.acquire_permit(b"k", 0, 1).unwrap();
     assert_eq!(p1.held(), 1);
@@ -227,7 +227,7 @@ fn concurrency_permits_release_on_drop() {
 fn permits_are_send_static_and_release_on_another_thread() {
     fn assert_send_static<T: Send + 'static>(_: &T) {}
     let l = Arc::new(limiter(
-        Quota::per_period(Algorithm::Concurrency, 1, SECOND).unwrap(),
+        Limit::per_period(Algorithm::Concurrency, 1, SECOND).unwrap(),
     ));
     let p = l.acquire_permit(b"k", 0, 1).unwrap();
     assert_send_static(&p);
@@ -238,7 +238,7 @@ fn permits_are_send_static_and_release_on_another_thread() {
 
 #[test]
 fn concurrency_overflow_permits_release_to_the_overflow_state() {
-    let q = Quota::per_period(Algorithm::Concurrency, 1, SECOND).unwrap();
+    let q = Limit::per_period(Algorithm::Concurrency, 1, SECOND).unwrap();
     let l = KeyedLimiter::new(
         q,
         StoreConfig {
@@ -262,7 +262,7 @@ fn concurrency_overflow_permits_release_to_the_overflow_state() {
 
 #[test]
 fn rate_algorithms_hand_out_empty_permits() {
-    let l = limiter(Quota::per_period(Algorithm::FixedWindow, 1, SECOND).unwrap());
+    let l = limiter(Limit::per_period(Algorithm::FixedWindow, 1, SECOND).unwrap());
     let p: Permit = l.acquire_permit(b"k", 0, 1).unwrap();
     assert_eq!(p.held(), 0);
     assert!(p.decision().allowed);
@@ -271,7 +271,7 @@ fn rate_algorithms_hand_out_empty_permits() {
 
 #[test]
 fn config_is_normalised() {
-    let q = Quota::per_period(Algorithm::FixedWindow, 1, SECOND).unwrap();
+    let q = Limit::per_period(Algorithm::FixedWindow, 1, SECOND).unwrap();
     let l = KeyedLimiter::new(
         q,
         StoreConfig {
@@ -304,17 +304,17 @@ fn config_is_normalised() {
 
 #[test]
 fn sliding_log_key_cap_bounds_total_memory() {
-    let q = Quota::per_period(Algorithm::SlidingLog, 10_000, SECOND).unwrap();
+    let q = Limit::per_period(Algorithm::SlidingLog, 10_000, SECOND).unwrap();
     let l = limiter(q);
     assert!(l.capacity() as u64 * 10_000 * 8 <= tollgate_limiter::SLIDING_LOG_MAX_BYTES);
     assert!(l.capacity() >= 3_000);
-    let small = limiter(Quota::per_period(Algorithm::SlidingLog, 10, SECOND).unwrap());
+    let small = limiter(Limit::per_period(Algorithm::SlidingLog, 10, SECOND).unwrap());
     assert_eq!(small.capacity(), 1_000_000);
 }
 
 #[test]
 fn invalid_quotas() {
-    let bad = Quota {
+    let bad = Limit {
         algorithm: Algorithm::SlidingLog,
         requests: 20_000,
         period: SECOND,
@@ -323,15 +323,15 @@ fn invalid_quotas() {
     };
     assert!(matches!(
         KeyedLimiter::try_new(bad, StoreConfig::default()),
-        Err(QuotaError::SlidingLogTooLarge { .. })
+        Err(LimitError::SlidingLogTooLarge { .. })
     ));
     // `new` clamps instead of panicking.
     let l = KeyedLimiter::new(bad, StoreConfig::default());
     assert_eq!(
-        l.quota().requests,
+        l.limit().requests,
         tollgate_limiter::MAX_SLIDING_LOG_REQUESTS
     );
-    let zero = Quota {
+    let zero = Limit {
         algorithm: Algorithm::TokenBucket,
         requests: 0,
         period: 0,
@@ -354,7 +354,7 @@ fn threads_never_over_admit() {
         Algorithm::LeakyBucket,
     ] {
         let l = Arc::new(KeyedLimiter::new(
-            Quota::new(alg, 50, 3_600 * SECOND, 50, 0).unwrap(),
+            Limit::new(alg, 50, 3_600 * SECOND, 50, 0).unwrap(),
             StoreConfig {
                 shards: 4,
                 ..StoreConfig::default()
@@ -387,7 +387,7 @@ fn threads_never_over_admit() {
 #[test]
 fn threads_never_exceed_concurrency() {
     let l = Arc::new(limiter(
-        Quota::per_period(Algorithm::Concurrency, 3, SECOND).unwrap(),
+        Limit::per_period(Algorithm::Concurrency, 3, SECOND).unwrap(),
     ));
     let in_flight = Arc::new(AtomicU64::new(0));
     let max_seen = Arc::new(AtomicU64::new(0));
@@ -436,7 +436,7 @@ fn peek_reads_a_key_without_charging_or_creating_it() {
         Algorithm::SlidingLog,
         Algorithm::LeakyBucket,
     ] {
-        let l = limiter(Quota::per_period(algorithm, 5, SECOND).unwrap());
+        let l = limiter(Limit::per_period(algorithm, 5, SECOND).unwrap());
         assert!(
             l.peek(b"k", now).is_none(),
             "{algorithm:?}: an unseen key has no state"
@@ -452,7 +452,7 @@ fn peek_reads_a_key_without_charging_or_creating_it() {
         assert_eq!(admitted(&l, b"k", now, 5), 2, "{algorithm:?}");
         assert_eq!(l.peek(b"k", now).map(|d| d.remaining), Some(0));
     }
-    let c = limiter(Quota::per_period(Algorithm::Concurrency, 3, SECOND).unwrap());
+    let c = limiter(Limit::per_period(Algorithm::Concurrency, 3, SECOND).unwrap());
     let held = c.acquire_permit(b"k", now, 1).expect("permit");
     assert_eq!(c.peek(b"k", now).map(|d| d.remaining), Some(2));
     drop(held);

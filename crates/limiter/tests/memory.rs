@@ -14,7 +14,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-use tollgate_limiter::{Algorithm, KeyedLimiter, Quota, SECOND, StoreConfig};
+use tollgate_limiter::{Algorithm, KeyedLimiter, Limit, SECOND, StoreConfig};
 
 struct Counting;
 
@@ -59,7 +59,7 @@ fn live() -> isize {
 fn ours(alg: Algorithm) -> (f64, f64) {
     let before = live();
     let l = KeyedLimiter::new(
-        Quota::new(alg, 100, SECOND, 100, 0).unwrap(),
+        Limit::new(alg, 100, SECOND, 100, 0).unwrap(),
         StoreConfig::default(),
     );
     let empty = live() - before;

@@ -3,7 +3,7 @@
 //! * Monotonic time: decisions equal the model's (token bucket: exact rational token count;
 //!   windows and log: recomputed from the list of admitted requests).
 //! * Any time, including a clock that goes backwards: no panic; nothing admitted beyond what
-//!   the quota allows over any window of *effective* time (the latest time seen so far);
+//!   the limit allows over any window of *effective* time (the latest time seen so far);
 //!   `remaining` never exceeds capacity; `retry_after` is exact (admitted after waiting that
 //!   long, refused 1 ns earlier) or `NEVER` really means never.
 #![allow(
@@ -18,8 +18,9 @@ use std::collections::HashMap;
 
 use proptest::prelude::*;
 use tollgate_limiter::{
-    Algorithm, ConcurrencyLimit, Decision, FixedWindow, KeyedLimiter, LeakyBucket, LimiterState,
-    NEVER, Nanos, Params, Quota, SECOND, SlidingLog, SlidingWindow, StoreConfig, TokenBucket,
+    Algorithm, ConcurrencyLimit, Decision, FixedWindow, KeyedLimiter, LeakyBucket, Limit,
+    LimiterState, NEVER, Nanos, Params, SECOND, SlidingLog, SlidingWindow, StoreConfig,
+    TokenBucket,
 };
 
 // ---------------------------------------------------------------------------------------
@@ -36,8 +37,8 @@ struct Case {
 }
 
 impl Case {
-    fn quota(&self, algorithm: Algorithm) -> Quota {
-        Quota::new(
+    fn limit(&self, algorithm: Algorithm) -> Limit {
+        Limit::new(
             algorithm,
             self.requests,
             self.period,
@@ -105,7 +106,7 @@ fn case(backwards: bool) -> impl Strategy<Value = Case> {
 // Generic checks
 
 /// Runs `state` over the case; returns the decisions.
-fn run<S: LimiterState + Clone>(c: &Case, q: &Quota) -> (Vec<Decision>, S) {
+fn run<S: LimiterState + Clone>(c: &Case, q: &Limit) -> (Vec<Decision>, S) {
     let p = Params::new(q);
     let mut s = S::default();
     let ds = c
@@ -119,7 +120,7 @@ fn run<S: LimiterState + Clone>(c: &Case, q: &Quota) -> (Vec<Decision>, S) {
 
 /// `retry_after` is exact: admitted after waiting exactly that long, refused 1 ns earlier;
 /// `NEVER` is never admitted. Checked on a copy of the state at every rejection.
-fn check_retry_after<S: LimiterState + Clone>(c: &Case, q: &Quota) -> Result<(), TestCaseError> {
+fn check_retry_after<S: LimiterState + Clone>(c: &Case, q: &Limit) -> Result<(), TestCaseError> {
     let p = Params::new(q);
     let mut s = S::default();
     for (&now, &cost) in c.times.iter().zip(&c.costs) {
@@ -274,7 +275,7 @@ proptest! {
 
     #[test]
     fn token_bucket_equals_exact_model(c in case(false)) {
-        let q = c.quota(Algorithm::TokenBucket);
+        let q = c.limit(Algorithm::TokenBucket);
         let (ds, _) = run::<TokenBucket>(&c, &q);
         let mut m = BucketModel::new(&c);
         for (i, (&now, &cost)) in c.times.iter().zip(&c.costs).enumerate() {
@@ -284,7 +285,7 @@ proptest! {
 
     #[test]
     fn token_bucket_never_over_admits(c in case(true)) {
-        let q = c.quota(Algorithm::TokenBucket);
+        let q = c.limit(Algorithm::TokenBucket);
         let (ds, bucket) = run::<TokenBucket>(&c, &q);
         check_bucket_envelope(&c, &ds)?;
         check_remaining_bounded(&ds, c.burst)?;
@@ -302,7 +303,7 @@ proptest! {
 
     #[test]
     fn leaky_bucket_shapes_within_envelope(c in case(true)) {
-        let q = c.quota(Algorithm::LeakyBucket);
+        let q = c.limit(Algorithm::LeakyBucket);
         let (ds, _) = run::<LeakyBucket>(&c, &q);
         check_remaining_bounded(&ds, c.burst)?;
         check_retry_after::<LeakyBucket>(&c, &q)?;
@@ -327,14 +328,14 @@ proptest! {
     #[test]
     fn leaky_bucket_without_delay_is_the_token_bucket(mut c in case(true)) {
         c.max_delay = 0;
-        let (l, _) = run::<LeakyBucket>(&c, &c.quota(Algorithm::LeakyBucket));
-        let (t, _) = run::<TokenBucket>(&c, &c.quota(Algorithm::TokenBucket));
+        let (l, _) = run::<LeakyBucket>(&c, &c.limit(Algorithm::LeakyBucket));
+        let (t, _) = run::<TokenBucket>(&c, &c.limit(Algorithm::TokenBucket));
         prop_assert_eq!(l, t);
     }
 
     #[test]
     fn sliding_window_equals_model(c in case(true)) {
-        let q = c.quota(Algorithm::SlidingWindow);
+        let q = c.limit(Algorithm::SlidingWindow);
         let (ds, _) = run::<SlidingWindow>(&c, &q);
         check_remaining_bounded(&ds, c.requests)?;
         check_retry_after::<SlidingWindow>(&c, &q)?;
@@ -370,7 +371,7 @@ proptest! {
 
     #[test]
     fn fixed_window_equals_model(c in case(true)) {
-        let q = c.quota(Algorithm::FixedWindow);
+        let q = c.limit(Algorithm::FixedWindow);
         let (ds, _) = run::<FixedWindow>(&c, &q);
         check_remaining_bounded(&ds, c.requests)?;
         check_retry_after::<FixedWindow>(&c, &q)?;
@@ -389,7 +390,7 @@ proptest! {
 
     #[test]
     fn sliding_log_is_exact(c in case(true)) {
-        let q = c.quota(Algorithm::SlidingLog);
+        let q = c.limit(Algorithm::SlidingLog);
         let (ds, log) = run::<SlidingLog>(&c, &q);
         check_remaining_bounded(&ds, c.requests)?;
         check_retry_after::<SlidingLog>(&c, &q)?;
@@ -414,7 +415,7 @@ proptest! {
 
     #[test]
     fn concurrency_equals_counter(requests in 1u64..8, ops in prop::collection::vec((any::<bool>(), 0u64..4), 1..100)) {
-        let p = Params::new(&Quota::per_period(Algorithm::Concurrency, requests, SECOND).unwrap());
+        let p = Params::new(&Limit::per_period(Algorithm::Concurrency, requests, SECOND).unwrap());
         let mut s = ConcurrencyLimit::new();
         let mut held: Vec<u64> = Vec::new();
         let mut model = 0u64;
@@ -451,7 +452,7 @@ proptest! {
         keys in prop::collection::vec(0u8..6, 80),
         evict in prop::collection::vec(any::<bool>(), 80),
     ) {
-        let q = c.quota(alg);
+        let q = c.limit(alg);
         let p = Params::new(&q);
         let store = KeyedLimiter::new(q, StoreConfig { max_keys: 64, idle_ttl: 0, shards: 2 });
         let mut tb: HashMap<u8, TokenBucket> = HashMap::new();

@@ -108,7 +108,7 @@ fn route(
                 .map(|e| {
                     serde_json::json!({
                         "rule": e.rule,
-                        "keyHash": tollgate_engine::identity::display(e.identity),
+                        "keyHash": tollgate_engine::key_hash::display(e.key_hash),
                         "key": e.key,
                         "rejected": e.count,
                         "maxOvercount": e.error,
@@ -119,7 +119,7 @@ fn route(
         }
         "/debug/config" => json(&serde_json::json!({
             "version": shared.rules().version,
-            "keyIdentity": shared.audit().identity_source(),
+            "keyHashSecret": shared.audit().key_hash_source(),
             "configError": shared.config_error().as_deref().map(String::as_str),
             // Secrets are never shown: the URL is redacted, files are named, not read.
             "redis": shared.global().map(|g| g.store.describe()),

@@ -1,5 +1,5 @@
 //! Options both binaries run with (`tollgate-sidecar` and `tollgate-ratelimit`): where rules
-//! come from, Redis, the admin port, audit and key identities, membership, logs and drain. Each
+//! come from, Redis, the admin port, audit and key hashes, membership, logs and drain. Each
 //! binary flattens them beside its own edge's options.
 
 use std::net::SocketAddr;
@@ -54,10 +54,10 @@ pub struct RuntimeArgs {
     #[arg(long, env = "TOLLGATE_AUDIT_RAW_KEYS", default_value_t = false)]
     pub audit_raw_keys: bool,
 
-    /// Secret under which counter keys get their stable identity (the `key_hash` of audit
+    /// Secret under which counter keys get their stable key hash (the `key_hash` of audit
     /// lines and top keys, an HMAC-SHA256): the same file in every pod of an installation
-    /// gives a client the same identity everywhere and across restarts. A path that does not
-    /// exist yet gets a generated secret (mode 0600). Without it, identities hold for this
+    /// gives a client the same key hash everywhere and across restarts. A path that does not
+    /// exist yet gets a generated secret (mode 0600). Without it, key hashes hold for this
     /// process only. See docs/operations.md (rotating it).
     #[arg(long, env = "TOLLGATE_KEY_HASH_SECRET_FILE")]
     pub key_hash_secret_file: Option<PathBuf>,
@@ -106,7 +106,7 @@ pub struct RuntimeArgs {
     pub controller_idle_timeout: Duration,
 
     /// How often this sidecar sends the keys it rejected most to the controller, which merges
-    /// them fleet-wide into each policy's `status.topLimitedKeys`. Only key identities travel.
+    /// them fleet-wide into each policy's `status.topLimitedKeys`. Only key hashes travel.
     #[arg(long, env = "TOLLGATE_TOP_KEYS_REPORT_INTERVAL", default_value = "10s", value_parser = parse_flag)]
     pub top_keys_report_interval: Duration,
 

@@ -897,7 +897,7 @@ async fn report_top_keys(current: CurrentSession, config: ControllerConfig, shar
 /// [`MAX_REPORTED_KEYS`] (what is cut is a key that no longer qualifies as a top key).
 fn merge_reported(pending: &mut Vec<ReportedKey>, drained: Vec<tollgate_engine::top_keys::Entry>) {
     for e in drained {
-        let key_hash = tollgate_engine::identity::display(e.identity);
+        let key_hash = tollgate_engine::key_hash::display(e.key_hash);
         match pending
             .iter_mut()
             .find(|p| p.rule == e.rule && p.key_hash == key_hash)
@@ -957,10 +957,10 @@ mod tests {
 
     #[test]
     fn unsent_top_keys_add_up_and_keep_the_heaviest() {
-        let entry = |identity: u64, count: u64| tollgate_engine::top_keys::Entry {
+        let entry = |key_hash: u64, count: u64| tollgate_engine::top_keys::Entry {
             rule: "shop/limits/per-key".into(),
-            key_hash: identity ^ 0xff,
-            identity,
+            fingerprint: key_hash ^ 0xff,
+            key_hash,
             key: Some("raw".into()),
             count,
             error: 1,
@@ -968,7 +968,7 @@ mod tests {
         let mut pending = Vec::new();
         merge_reported(&mut pending, vec![entry(1, 5), entry(2, 3)]);
         merge_reported(&mut pending, vec![entry(2, 4)]);
-        assert_eq!(pending[0].key_hash, tollgate_engine::identity::display(2));
+        assert_eq!(pending[0].key_hash, tollgate_engine::key_hash::display(2));
         assert_eq!((pending[0].rejected, pending[0].max_overcount), (7, 2));
         assert_eq!(pending[1].rejected, 5);
         let flood: Vec<_> = (10..10 + MAX_REPORTED_KEYS as u64)

@@ -16,7 +16,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tollgate_crd::files;
 use tollgate_engine::audit::AuditLog;
-use tollgate_engine::identity::KeyIdentity;
+use tollgate_engine::key_hash::KeyHashes;
 use tollgate_engine::metrics::Metrics;
 use tollgate_engine::shared::Shared;
 use tollgate_global::store::RedisOptions;
@@ -104,7 +104,7 @@ fn controller_ca(
     }
 }
 
-/// The decision engine's settings: audit, key identities, how many keys a rule tracks.
+/// The decision engine's settings: audit, key hashes, how many keys a rule tracks.
 pub struct EngineConfig {
     audit_per_second: u64,
     audit_raw_keys: bool,
@@ -131,8 +131,8 @@ impl EngineConfig {
 
     /// The engine with no rules yet (not ready).
     pub fn build(&self) -> anyhow::Result<Arc<Shared>> {
-        let identity = match &self.key_hash_secret_file {
-            Some(path) => KeyIdentity::load_or_create(path)
+        let key_hashes = match &self.key_hash_secret_file {
+            Some(path) => KeyHashes::load_or_create(path)
                 .map_err(|e| anyhow::anyhow!("--key-hash-secret-file: {e}"))?,
             None => {
                 if self.standalone {
@@ -140,13 +140,13 @@ impl EngineConfig {
                         "no --key-hash-secret-file: key hashes in audit lines and top keys hold for this process only"
                     );
                 }
-                KeyIdentity::per_process().map_err(|e| anyhow::anyhow!(e))?
+                KeyHashes::per_process().map_err(|e| anyhow::anyhow!(e))?
             }
         };
         let audit = AuditLog::new(
             self.audit_per_second,
             self.audit_raw_keys,
-            identity,
+            key_hashes,
             self.key_hash_secret_file.is_some(),
         );
         Ok(Arc::new(Shared::new(Metrics::new(), audit)))

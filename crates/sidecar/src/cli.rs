@@ -41,7 +41,7 @@ pub enum Command {
         #[command(flatten)]
         replay: ReplayFlags,
     },
-    /// Print the stable identity (`key_hash` in audit lines and top keys) of a counter key,
+    /// Print the stable key hash (`key_hash` in audit lines and top keys) of a counter key,
     /// so support can find one client in the logs of every pod without raw keys being logged.
     KeyHash {
         /// The installation's key-hash secret (as given to the sidecars).
@@ -133,9 +133,9 @@ impl From<ReplayFlags> for replay::ReplayArgs {
     }
 }
 
-/// `key-hash`: prints the identity of the key made of `parts`.
+/// `key-hash`: prints the key hash of the key made of `parts`.
 fn key_hash(secret_file: &std::path::Path, parts: &[String]) -> std::process::ExitCode {
-    let identity = match tollgate_engine::identity::KeyIdentity::read(secret_file) {
+    let key_hashes = match tollgate_engine::key_hash::KeyHashes::read(secret_file) {
         Ok(i) => i,
         Err(e) => {
             eprintln!("error: {e}");
@@ -158,7 +158,7 @@ fn key_hash(secret_file: &std::path::Path, parts: &[String]) -> std::process::Ex
     }
     println!(
         "{}",
-        tollgate_engine::identity::display(identity.of_parts(&bytes))
+        tollgate_engine::key_hash::display(key_hashes.of_parts(&bytes))
     );
     std::process::ExitCode::SUCCESS
 }

@@ -714,7 +714,7 @@ async fn a_resent_snapshot_brings_a_rotated_key_hash_secret_only() {
         poll_until(Duration::from_secs(10), "the secret taken", || async {
             s.logs()
                 .iter()
-                .any(|l| l.contains("key identities now follow the installation's key-hash secret"))
+                .any(|l| l.contains("key hashes now follow the installation's key-hash secret"))
                 .then_some(())
         })
         .await;

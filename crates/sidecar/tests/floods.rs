@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tollgate_limiter::{Algorithm, KeyedLimiter, Quota, StoreConfig};
+use tollgate_limiter::{Algorithm, KeyedLimiter, Limit, StoreConfig};
 
 /// Counts of one flood.
 #[derive(Default, Debug)]
@@ -175,13 +175,13 @@ async fn flood(
 }
 
 /// Bytes of the key table of one rule holding `cap` keys: a store with the sidecar's default
-/// sizing and this quota, filled until every shard is at its cap.
-fn table_bytes_at_cap(quota: Quota, cap: usize) -> (usize, usize) {
+/// sizing and this limit, filled until every shard is at its cap.
+fn table_bytes_at_cap(limit: Limit, cap: usize) -> (usize, usize) {
     let store = StoreConfig {
         max_keys: cap,
         ..StoreConfig::default()
     };
-    let l = KeyedLimiter::new(quota, store);
+    let l = KeyedLimiter::new(limit, store);
     let capacity = l.capacity();
     let mut k = 0u64;
     // Keys spread over shards at random: go on until the store is full.
@@ -204,10 +204,10 @@ async fn key_flood_keeps_memory_under_the_cap_bound() {
     within(budget, async {
         // 10 per hour: one request leaves a key's bucket below full for 6 minutes, so no key
         // becomes evictable during the test: the worst case for memory.
-        let quota =
-            Quota::new(Algorithm::TokenBucket, 10, 3_600_000_000_000, 10, 0).expect("quota");
+        let limit =
+            Limit::new(Algorithm::TokenBucket, 10, 3_600_000_000_000, 10, 0).expect("limit");
         let (table_at_cap, capacity) =
-            tokio::task::spawn_blocking(move || table_bytes_at_cap(quota, cap))
+            tokio::task::spawn_blocking(move || table_bytes_at_cap(limit, cap))
                 .await
                 .expect("table size");
         let up = Upstream::start().await;
@@ -312,7 +312,7 @@ async fn key_flood_keeps_memory_under_the_cap_bound() {
         // Overflow buckets admit at most one burst (10) per shard: a flood of new keys beyond
         // the cap starves itself instead of being unlimited.
         let shards = KeyedLimiter::new(
-            quota,
+            limit,
             StoreConfig {
                 max_keys: cap,
                 ..StoreConfig::default()

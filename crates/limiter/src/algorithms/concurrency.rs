@@ -6,7 +6,7 @@ use super::LimiterState;
 use crate::{Decision, NEVER, Nanos, Params};
 
 /// At most `requests` units in flight. Decisions report `reset = 0` (no time dimension) and,
-/// when rejected, the quota's `period` as a retry hint.
+/// when rejected, the limit's `period` as a retry hint.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ConcurrencyLimit {
     in_flight: u64,
@@ -26,12 +26,12 @@ impl ConcurrencyLimit {
     /// What [`acquire_with`](LimiterState::acquire_with) would decide, without taking units.
     #[inline]
     pub fn peek(&self, p: &Params, cost: u64) -> Decision {
-        let limit = p.quota.requests;
+        let limit = p.limit.requests;
         let left = limit.saturating_sub(self.in_flight);
         if cost <= left {
             Decision::allow(limit, left - cost, 0)
         } else {
-            let retry = if cost > limit { NEVER } else { p.quota.period };
+            let retry = if cost > limit { NEVER } else { p.limit.period };
             Decision::reject(limit, left, 0, retry)
         }
     }
@@ -62,11 +62,11 @@ impl LimiterState for ConcurrencyLimit {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Algorithm, Quota, SECOND};
+    use crate::{Algorithm, Limit, SECOND};
 
     #[test]
     fn acquire_release() {
-        let p = Params::new(&Quota::per_period(Algorithm::Concurrency, 2, SECOND).unwrap());
+        let p = Params::new(&Limit::per_period(Algorithm::Concurrency, 2, SECOND).unwrap());
         let mut c = ConcurrencyLimit::new();
         assert_eq!(c.acquire_with(&p, 0, 1), Decision::allow(2, 1, 0));
         assert!(c.acquire_with(&p, 0, 1).allowed);

@@ -24,8 +24,8 @@ impl FixedWindow {
 impl LimiterState for FixedWindow {
     #[inline]
     fn acquire_with(&mut self, p: &Params, now: Nanos, cost: u64) -> Decision {
-        let w = p.quota.period;
-        let limit = p.quota.requests;
+        let w = p.limit.period;
+        let limit = p.limit.requests;
         // Lazy rollover; a clock that went back stays in the latest window seen.
         if now.saturating_sub(self.start) >= w {
             self.start = now - now % w;
@@ -49,7 +49,7 @@ impl LimiterState for FixedWindow {
     /// A charge counts in the window current at `now` (a debt lasts until that window ends);
     /// a refund only while the window the state holds is still current.
     fn settle(&mut self, p: &Params, now: Nanos, delta: i64) {
-        let w = p.quota.period;
+        let w = p.limit.period;
         if now.saturating_sub(self.start) >= w {
             if delta <= 0 {
                 return;
@@ -65,7 +65,7 @@ impl LimiterState for FixedWindow {
         if self.count == 0 {
             0
         } else {
-            self.start.saturating_add(p.quota.period)
+            self.start.saturating_add(p.limit.period)
         }
     }
 }
@@ -77,7 +77,7 @@ mod tests {
     #[test]
     fn settle_charges_the_current_window_and_refunds_only_within_it() {
         let p = Params::new(
-            &crate::Quota::per_period(crate::Algorithm::FixedWindow, 10, crate::SECOND).unwrap(),
+            &crate::Limit::per_period(crate::Algorithm::FixedWindow, 10, crate::SECOND).unwrap(),
         );
         let mut w = FixedWindow::new();
         assert!(w.acquire_with(&p, 0, 1).allowed);
@@ -91,12 +91,12 @@ mod tests {
         w.settle(&p, crate::SECOND, 10);
         assert!(!w.acquire_with(&p, crate::SECOND, 1).allowed);
     }
-    use crate::{Algorithm, MILLISECOND, Quota, SECOND};
+    use crate::{Algorithm, Limit, MILLISECOND, SECOND};
 
     /// Documents the boundary flaw: 2× the limit within a few milliseconds.
     #[test]
     fn lets_twice_the_limit_through_across_a_boundary() {
-        let p = Params::new(&Quota::per_period(Algorithm::FixedWindow, 10, SECOND).unwrap());
+        let p = Params::new(&Limit::per_period(Algorithm::FixedWindow, 10, SECOND).unwrap());
         let mut w = FixedWindow::new();
         let end_of_window = 5 * SECOND - MILLISECOND;
         let a = (0..15)
@@ -115,7 +115,7 @@ mod tests {
 
     #[test]
     fn headers_and_never() {
-        let p = Params::new(&Quota::per_period(Algorithm::FixedWindow, 3, SECOND).unwrap());
+        let p = Params::new(&Limit::per_period(Algorithm::FixedWindow, 3, SECOND).unwrap());
         let mut w = FixedWindow::new();
         let now = 10 * SECOND + 250 * MILLISECOND;
         assert_eq!(

@@ -3,7 +3,7 @@
 //! Time is kept in *ticks* of `1 / den` nanoseconds, where `period / requests` reduced to
 //! lowest terms is `interval / den`. The emission interval is then exactly `interval` ticks
 //! and the capacity exactly `burst × interval` ticks: integer math, no rounding per request,
-//! no float drift. Most real quotas (`100/s`, `1000/min`) have `den = 1`, so ticks are
+//! no float drift. Most real limits (`100/s`, `1000/min`) have `den = 1`, so ticks are
 //! nanoseconds and a u64 fast path applies; otherwise values are u128 (`ns × den` always
 //! fits). The state stores a tick count as two u64 halves so per-key entries keep 8-byte
 //! alignment (no padding).
@@ -66,7 +66,7 @@ pub(crate) fn acquire<const SHAPING: bool>(
     now: Nanos,
     cost: u64,
 ) -> Decision {
-    let limit = p.quota.burst;
+    let limit = p.limit.burst;
     // Fast path: ticks are nanoseconds and everything fits in u64.
     if p.fast && tat.hi == 0 {
         let max = if SHAPING { p.shaping64 } else { p.burst64 };
@@ -103,7 +103,7 @@ fn acquire_wide<const SHAPING: bool>(
     now: Nanos,
     cost: u64,
 ) -> Decision {
-    let limit = p.quota.burst;
+    let limit = p.limit.burst;
     let max = if SHAPING {
         p.shaping_ticks
     } else {

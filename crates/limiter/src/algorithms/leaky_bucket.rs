@@ -40,11 +40,11 @@ impl LimiterState for LeakyBucket {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Algorithm, MILLISECOND, NEVER, Quota, SECOND};
+    use crate::{Algorithm, Limit, MILLISECOND, NEVER, SECOND};
 
     fn params(requests: u64, period: Nanos, burst: u64, max_delay: Nanos) -> Params {
         Params::new(
-            &Quota::new(Algorithm::LeakyBucket, requests, period, burst, max_delay).unwrap(),
+            &Limit::new(Algorithm::LeakyBucket, requests, period, burst, max_delay).unwrap(),
         )
     }
 
@@ -91,7 +91,7 @@ mod tests {
 
     #[test]
     fn zero_delay_is_a_token_bucket() {
-        let q = Quota::new(Algorithm::LeakyBucket, 2, SECOND, 5, 0).unwrap();
+        let q = Limit::new(Algorithm::LeakyBucket, 2, SECOND, 5, 0).unwrap();
         let mut tq = q;
         tq.algorithm = Algorithm::TokenBucket;
         let (mut l, mut t) = (LeakyBucket::new(), super::super::TokenBucket::new());

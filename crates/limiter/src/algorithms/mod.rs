@@ -20,7 +20,7 @@ pub use sliding_log::SlidingLog;
 pub use sliding_window::SlidingWindow;
 pub use token_bucket::TokenBucket;
 
-use crate::{Decision, Nanos, Params, Quota};
+use crate::{Decision, Limit, Nanos, Params};
 
 /// Common interface of the single-key states.
 ///
@@ -28,14 +28,14 @@ use crate::{Decision, Nanos, Params, Quota};
 /// if every `now` were replaced by the latest `now` it has seen (time is effectively clamped;
 /// a key evicted and re-created loses that memory, so keyed stores want a monotonic clock).
 pub trait LimiterState: Default + Send + 'static {
-    /// Charges `cost` units at `now` against a precomputed quota. A rejection charges nothing
+    /// Charges `cost` units at `now` against a precomputed limit. A rejection charges nothing
     /// (the state may still note the time). `cost = 0` is a query.
     fn acquire_with(&mut self, params: &Params, now: Nanos, cost: u64) -> Decision;
 
-    /// Convenience form of [`acquire_with`](Self::acquire_with) that precomputes `quota` on
+    /// Convenience form of [`acquire_with`](Self::acquire_with) that precomputes `limit` on
     /// every call (a few divisions); use `acquire_with` on hot paths.
-    fn acquire(&mut self, quota: &Quota, now: Nanos, cost: u64) -> Decision {
-        self.acquire_with(&Params::new(quota), now, cost)
+    fn acquire(&mut self, limit: &Limit, now: Nanos, cost: u64) -> Decision {
+        self.acquire_with(&Params::new(limit), now, cost)
     }
 
     /// Earliest time from which this state behaves exactly like `Default` (bucket full,

@@ -1,5 +1,5 @@
 //! Exact sliding log: one timestamp per admitted unit. Exact but O(limit) memory per key,
-//! which is why `Quota` caps `requests` at [`MAX_SLIDING_LOG_REQUESTS`].
+//! which is why `Limit` caps `requests` at [`MAX_SLIDING_LOG_REQUESTS`].
 //!
 //! [`MAX_SLIDING_LOG_REQUESTS`]: crate::MAX_SLIDING_LOG_REQUESTS
 
@@ -43,8 +43,8 @@ impl SlidingLog {
 
 impl LimiterState for SlidingLog {
     fn acquire_with(&mut self, p: &Params, now: Nanos, cost: u64) -> Decision {
-        let w = p.quota.period;
-        let limit = p.quota.requests;
+        let w = p.limit.period;
+        let limit = p.limit.requests;
         // A clock that went back is treated as the latest time seen, so nothing expires early.
         self.latest = self.latest.max(now);
         let latest = self.latest;
@@ -96,18 +96,18 @@ impl LimiterState for SlidingLog {
     fn idle_at(&self, p: &Params) -> Nanos {
         self.log
             .back()
-            .map_or(0, |&b| b.saturating_add(p.quota.period))
+            .map_or(0, |&b| b.saturating_add(p.limit.period))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Algorithm, MILLISECOND, Quota, SECOND};
+    use crate::{Algorithm, Limit, MILLISECOND, SECOND};
 
     #[test]
     fn exact_over_any_window() {
-        let p = Params::new(&Quota::per_period(Algorithm::SlidingLog, 3, SECOND).unwrap());
+        let p = Params::new(&Limit::per_period(Algorithm::SlidingLog, 3, SECOND).unwrap());
         let mut l = SlidingLog::new();
         assert!(l.acquire_with(&p, 0, 1).allowed);
         assert!(l.acquire_with(&p, 400 * MILLISECOND, 2).allowed);
@@ -126,7 +126,7 @@ mod tests {
 
     #[test]
     fn buffer_never_exceeds_limit() {
-        let p = Params::new(&Quota::per_period(Algorithm::SlidingLog, 1000, SECOND).unwrap());
+        let p = Params::new(&Limit::per_period(Algorithm::SlidingLog, 1000, SECOND).unwrap());
         let mut l = SlidingLog::new();
         for i in 0..5_000 {
             l.acquire_with(&p, i * 1_000, 1);

@@ -67,8 +67,8 @@ impl SlidingWindow {
 impl LimiterState for SlidingWindow {
     #[inline]
     fn acquire_with(&mut self, p: &Params, now: Nanos, cost: u64) -> Decision {
-        let w = p.quota.period;
-        let limit = p.quota.requests;
+        let w = p.limit.period;
+        let limit = p.limit.requests;
         self.roll(now, w);
         let elapsed = now.saturating_sub(self.start);
         let w128 = u128::from(w);
@@ -100,13 +100,13 @@ impl LimiterState for SlidingWindow {
     /// window only (a reservation refunded after a rollover stays counted: it errs towards
     /// admitting less).
     fn settle(&mut self, p: &Params, now: Nanos, delta: i64) {
-        self.roll(now, p.quota.period);
+        self.roll(now, p.limit.period);
         self.cur = self.cur.saturating_add_signed(delta);
     }
 
     #[inline]
     fn idle_at(&self, p: &Params) -> Nanos {
-        let w = p.quota.period;
+        let w = p.limit.period;
         if self.cur > 0 {
             self.start.saturating_add(w.saturating_mul(2))
         } else if self.prev > 0 {
@@ -120,10 +120,10 @@ impl LimiterState for SlidingWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Algorithm, MILLISECOND, Quota, SECOND};
+    use crate::{Algorithm, Limit, MILLISECOND, SECOND};
 
     fn params(limit: u64, w: Nanos) -> Params {
-        Params::new(&Quota::per_period(Algorithm::SlidingWindow, limit, w).unwrap())
+        Params::new(&Limit::per_period(Algorithm::SlidingWindow, limit, w).unwrap())
     }
 
     /// Seed example: limit 10/s; 10 of 15 immediate requests pass; halfway into the next

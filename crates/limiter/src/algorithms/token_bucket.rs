@@ -47,10 +47,10 @@ impl LimiterState for TokenBucket {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Algorithm, NEVER, Quota, SECOND};
+    use crate::{Algorithm, Limit, NEVER, SECOND};
 
     fn params(requests: u64, period: Nanos, burst: u64) -> Params {
-        Params::new(&Quota::new(Algorithm::TokenBucket, requests, period, burst, 0).unwrap())
+        Params::new(&Limit::new(Algorithm::TokenBucket, requests, period, burst, 0).unwrap())
     }
 
     /// A cost known only at the response: settled into debt, waited off, refunded up to full.

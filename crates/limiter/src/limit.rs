@@ -13,7 +13,7 @@ pub const MAX_SLIDING_LOG_REQUESTS: u64 = 10_000;
 /// log cannot exhaust memory (e.g. 3 355 keys at 10 000 requests, 335 544 at 100).
 pub const SLIDING_LOG_MAX_BYTES: u64 = 256 * 1024 * 1024;
 
-/// Which algorithm a quota is enforced with.
+/// Which algorithm a limit is enforced with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Algorithm {
     /// GCRA token bucket: capacity `burst`, refilled at `requests` per `period`.
@@ -32,11 +32,11 @@ pub enum Algorithm {
     Concurrency,
 }
 
-/// A rule's limit. Build with [`Quota::new`] (validated). The fields are public for
-/// convenience; a quota built by hand with zeros is normalised (zero treated as 1, sliding-log
+/// A rule's limit. Build with [`Limit::new`] (validated). The fields are public for
+/// convenience; a limit built by hand with zeros is normalised (zero treated as 1, sliding-log
 /// size clamped) rather than allowed to panic.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Quota {
+pub struct Limit {
     /// Algorithm.
     pub algorithm: Algorithm,
     /// Requests (cost units) per `period`; for [`Algorithm::Concurrency`], the in-flight cap.
@@ -50,9 +50,9 @@ pub struct Quota {
     pub max_delay: Nanos,
 }
 
-/// Why a quota was refused.
+/// Why a limit was refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum QuotaError {
+pub enum LimitError {
     /// `requests` must be at least 1.
     #[error("requests must be greater than zero")]
     ZeroRequests,
@@ -74,15 +74,15 @@ pub enum QuotaError {
     },
 }
 
-impl Quota {
-    /// A validated quota.
+impl Limit {
+    /// A validated limit.
     pub fn new(
         algorithm: Algorithm,
         requests: u64,
         period: Nanos,
         burst: u64,
         max_delay: Nanos,
-    ) -> Result<Self, QuotaError> {
+    ) -> Result<Self, LimitError> {
         let q = Self {
             algorithm,
             requests,
@@ -99,23 +99,23 @@ impl Quota {
         algorithm: Algorithm,
         requests: u64,
         period: Nanos,
-    ) -> Result<Self, QuotaError> {
+    ) -> Result<Self, LimitError> {
         Self::new(algorithm, requests, period, requests, 0)
     }
 
-    /// Checks the invariants [`Quota::new`] enforces.
-    pub fn validate(&self) -> Result<(), QuotaError> {
+    /// Checks the invariants [`Limit::new`] enforces.
+    pub fn validate(&self) -> Result<(), LimitError> {
         if self.requests == 0 {
-            return Err(QuotaError::ZeroRequests);
+            return Err(LimitError::ZeroRequests);
         }
         if self.period == 0 {
-            return Err(QuotaError::ZeroPeriod);
+            return Err(LimitError::ZeroPeriod);
         }
         if self.burst == 0 {
-            return Err(QuotaError::ZeroBurst);
+            return Err(LimitError::ZeroBurst);
         }
         if self.algorithm == Algorithm::SlidingLog && self.requests > MAX_SLIDING_LOG_REQUESTS {
-            return Err(QuotaError::SlidingLogTooLarge {
+            return Err(LimitError::SlidingLogTooLarge {
                 requests: self.requests,
                 max: MAX_SLIDING_LOG_REQUESTS,
             });
@@ -123,7 +123,7 @@ impl Quota {
         Ok(())
     }
 
-    /// The same quota with out-of-range fields clamped, so the math below can never divide
+    /// The same limit with out-of-range fields clamped, so the math below can never divide
     /// by zero or allocate without bound.
     pub fn normalized(&self) -> Self {
         let mut q = *self;
@@ -137,11 +137,11 @@ impl Quota {
     }
 }
 
-/// A quota with the derived constants the algorithms need precomputed (divisions done once
+/// A limit with the derived constants the algorithms need precomputed (divisions done once
 /// per rule rather than once per request). Build once per rule, reuse for every key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Params {
-    pub(crate) quota: Quota,
+    pub(crate) limit: Limit,
     /// `period / requests` in lowest terms is `interval / den` ns (see `algorithms/gcra.rs`):
     /// GCRA time runs in ticks of `1/den` ns and the emission interval is `interval` ticks.
     pub(crate) den: u64,
@@ -168,17 +168,17 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
 }
 
 impl Params {
-    /// Precomputes `quota` (normalised, see [`Quota::normalized`]).
-    pub fn new(quota: &Quota) -> Self {
-        let quota = quota.normalized();
-        let g = gcd(quota.requests, quota.period);
-        let (den, interval) = (quota.requests / g, quota.period / g);
-        let burst_ticks = u128::from(quota.burst) * u128::from(interval);
+    /// Precomputes `limit` (normalised, see [`Limit::normalized`]).
+    pub fn new(limit: &Limit) -> Self {
+        let limit = limit.normalized();
+        let g = gcd(limit.requests, limit.period);
+        let (den, interval) = (limit.requests / g, limit.period / g);
+        let burst_ticks = u128::from(limit.burst) * u128::from(interval);
         let shaping_ticks =
-            burst_ticks.saturating_add(u128::from(quota.max_delay) * u128::from(den));
+            burst_ticks.saturating_add(u128::from(limit.max_delay) * u128::from(den));
         let fast = den == 1 && shaping_ticks <= u128::from(u64::MAX);
         Self {
-            quota,
+            limit,
             den,
             interval,
             burst_ticks,
@@ -188,19 +188,19 @@ impl Params {
             shaping64: u64::try_from(shaping_ticks).unwrap_or(u64::MAX),
             interval_div: Divisor::new(interval),
             den_div: Divisor::new(den),
-            window_div: Divisor::new(quota.period),
+            window_div: Divisor::new(limit.period),
         }
     }
 
-    /// The normalised quota.
+    /// The normalised limit.
     #[inline]
-    pub fn quota(&self) -> &Quota {
-        &self.quota
+    pub fn limit(&self) -> &Limit {
+        &self.limit
     }
 }
 
-impl From<Quota> for Params {
-    fn from(q: Quota) -> Self {
+impl From<Limit> for Params {
+    fn from(q: Limit) -> Self {
         Params::new(&q)
     }
 }
@@ -214,40 +214,40 @@ mod tests {
     fn validation() {
         use Algorithm::*;
         assert_eq!(
-            Quota::new(TokenBucket, 0, SECOND, 1, 0),
-            Err(QuotaError::ZeroRequests)
+            Limit::new(TokenBucket, 0, SECOND, 1, 0),
+            Err(LimitError::ZeroRequests)
         );
         assert_eq!(
-            Quota::new(TokenBucket, 1, 0, 1, 0),
-            Err(QuotaError::ZeroPeriod)
+            Limit::new(TokenBucket, 1, 0, 1, 0),
+            Err(LimitError::ZeroPeriod)
         );
         assert_eq!(
-            Quota::new(TokenBucket, 1, SECOND, 0, 0),
-            Err(QuotaError::ZeroBurst)
+            Limit::new(TokenBucket, 1, SECOND, 0, 0),
+            Err(LimitError::ZeroBurst)
         );
-        assert!(Quota::per_period(SlidingLog, MAX_SLIDING_LOG_REQUESTS, SECOND).is_ok());
+        assert!(Limit::per_period(SlidingLog, MAX_SLIDING_LOG_REQUESTS, SECOND).is_ok());
         assert_eq!(
-            Quota::per_period(SlidingLog, MAX_SLIDING_LOG_REQUESTS + 1, SECOND),
-            Err(QuotaError::SlidingLogTooLarge {
+            Limit::per_period(SlidingLog, MAX_SLIDING_LOG_REQUESTS + 1, SECOND),
+            Err(LimitError::SlidingLogTooLarge {
                 requests: MAX_SLIDING_LOG_REQUESTS + 1,
                 max: MAX_SLIDING_LOG_REQUESTS
             })
         );
         // Large windows are fine for the O(1) algorithms.
-        assert!(Quota::per_period(SlidingWindow, 1 << 40, SECOND).is_ok());
+        assert!(Limit::per_period(SlidingWindow, 1 << 40, SECOND).is_ok());
     }
 
     #[test]
     fn params_are_exact() {
-        let q = Quota::new(Algorithm::TokenBucket, 3, SECOND, 5, 7).unwrap();
+        let q = Limit::new(Algorithm::TokenBucket, 3, SECOND, 5, 7).unwrap();
         let p = Params::new(&q);
         assert_eq!((p.den, p.interval, p.fast), (3, SECOND, false));
         assert_eq!(p.burst_ticks, 5 * u128::from(SECOND));
         assert_eq!(p.shaping_ticks, 5 * u128::from(SECOND) + 21);
-        let q = Quota::new(Algorithm::TokenBucket, 1000, 60 * SECOND, 50, 0).unwrap();
+        let q = Limit::new(Algorithm::TokenBucket, 1000, 60 * SECOND, 50, 0).unwrap();
         let p = Params::new(&q);
         assert_eq!((p.den, p.interval, p.fast), (1, 60_000_000, true));
-        let huge = Quota::new(
+        let huge = Limit::new(
             Algorithm::LeakyBucket,
             u64::MAX,
             u64::MAX,
@@ -260,7 +260,7 @@ mod tests {
 
     #[test]
     fn hand_built_zero_quota_is_normalised() {
-        let q = Quota {
+        let q = Limit {
             algorithm: Algorithm::SlidingLog,
             requests: 0,
             period: 0,
@@ -268,8 +268,8 @@ mod tests {
             max_delay: 0,
         };
         let p = Params::new(&q);
-        assert_eq!(p.quota().requests, 1);
-        assert_eq!(p.quota().period, 1);
-        assert_eq!(p.quota().burst, 1);
+        assert_eq!(p.limit().requests, 1);
+        assert_eq!(p.limit().period, 1);
+        assert_eq!(p.limit().burst, 1);
     }
 }

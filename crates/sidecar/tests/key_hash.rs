@@ -1,4 +1,4 @@
-//! Stable key identities, end to end with real sidecar processes: two sidecars (as two pods,
+//! Stable key hashes, end to end with real sidecar processes: two sidecars (as two pods,
 //! or one pod before and after a restart) given the same key-hash secret log a client under
 //! the same `key_hash`, which `tollgate-sidecar key-hash` computes from the raw key; audit
 //! lines carry the request's policy, rule, method, path, status, client and trace id, and
@@ -92,7 +92,7 @@ async fn one_client_has_one_key_hash_in_every_sidecar_sharing_the_secret() {
         assert_eq!(
             lb["key_hash"],
             expected.as_str(),
-            "another process, same identity: {lb}"
+            "another process, same key hash: {lb}"
         );
         assert_ne!(other["key_hash"], expected.as_str(), "another key: {other}");
         assert_eq!(
@@ -122,7 +122,7 @@ async fn one_client_has_one_key_hash_in_every_sidecar_sharing_the_secret() {
             "query logged: {la}"
         );
 
-        // Top keys show the same identity.
+        // Top keys show the same key hash.
         let top = a.admin_json(&c, "/debug/top-keys").await;
         let hashes: Vec<&str> = top["topKeys"]
             .as_array()
@@ -132,7 +132,7 @@ async fn one_client_has_one_key_hash_in_every_sidecar_sharing_the_secret() {
             .collect();
         assert!(hashes.contains(&expected.as_str()), "{top}");
 
-        // Another secret, another identity; a missing secret file is an error for key-hash.
+        // Another secret, another key hash; a missing secret file is an error for key-hash.
         let other_secret = dir.path().join("other");
         std::fs::write(&other_secret, "a different secret of 32 bytes..").expect("secret");
         assert_ne!(key_hash_cli(&other_secret, &["customer-1"]).1, expected);
@@ -189,7 +189,7 @@ async fn a_missing_secret_file_is_created_and_suppressed_lines_are_counted() {
             Some(suppressed as f64)
         );
 
-        // A restart with the generated secret keeps the identity.
+        // A restart with the generated secret keeps the key hash.
         let first = lines[0]["key_hash"].clone();
         drop(sc);
         let again = Sidecar::start(&upstream.url(), &policy, &args).await;
@@ -200,7 +200,7 @@ async fn a_missing_secret_file_is_created_and_suppressed_lines_are_counted() {
 }
 
 /// A fail-closed rule's 503 is a decision the client sees, as a 429 is: it gets an audit line
-/// (decision `unavailable`, the reason, the key's identity), on the HTTP/1.1 fast path and
+/// (decision `unavailable`, the reason, the key's key hash), on the HTTP/1.1 fast path and
 /// through hyper (HTTP/2) alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fail_closed_503_is_audited_with_its_reason() {

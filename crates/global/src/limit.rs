@@ -1,11 +1,11 @@
-//! Compiled limits as the limiter engine's quotas: one translation for the local rules and
+//! Compiled limits as the limiter's `Limit`s: one translation for the local rules and
 //! the global rules' fallback shares alike.
 
 use tollgate_crd::compiled::{Algorithm, CompiledLimit};
-use tollgate_limiter::{self as limiter, Nanos, Quota};
+use tollgate_limiter::{self as limiter, Limit, Nanos};
 
-/// Translates a compiled limit into the engine's quota.
-pub fn quota_for(l: &CompiledLimit) -> Result<Quota, limiter::QuotaError> {
+/// Translates a compiled limit into the limiter's `Limit`.
+pub fn for_limiter(l: &CompiledLimit) -> Result<Limit, limiter::LimitError> {
     const MS: Nanos = 1_000_000;
     let algorithm = match l.algorithm {
         Algorithm::TokenBucket => limiter::Algorithm::TokenBucket,
@@ -28,7 +28,7 @@ pub fn quota_for(l: &CompiledLimit) -> Result<Quota, limiter::QuotaError> {
         Algorithm::LeakyBucket => 1,
         _ => l.requests,
     };
-    Quota::new(
+    Limit::new(
         algorithm,
         l.requests,
         period,
