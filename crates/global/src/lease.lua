@@ -30,13 +30,15 @@
 --          last report (token buckets; 0: nothing to report)
 -- ARGV[13] share period in milliseconds: the interval sidecars report demand over (0: no
 --          demand-weighted share). While a bucket is contested (a call wants more than it
---          holds), the fleet's reported demand is kept as a sliding window over four periods in
---          a second field (the bucket id and 'd'), and a call reaching ahead gets at most its
---          part of that demand applied to the refill of a reach that grows with the part (see
---          fair_share): the refill is split by demand instead of going to whichever sidecar
---          syncs first, which parked the tokens of a whole horizon at one sidecar while the
---          others refused requests. Refill left unclaimed stays in the bucket for the next
---          caller.
+--          holds, until the bucket is full again), the fleet's reported demand is kept as a
+--          sliding window over four periods in a second field (the bucket id and 'd'), and a
+--          call that is not all or nothing gets at most its entitlement: the refill of that
+--          window times the caller's part of the demand reported in it, this report included
+--          (see fair_share). Each sidecar's grants then add up to its part of the refill,
+--          whenever it calls: before this, tokens conformant at a call went to whichever
+--          sidecar synced first after the refill, and two sidecars with equal demand split a
+--          limit 11/89 to 48/52 depending on the phase of their sync rounds. Refill left
+--          unclaimed stays in the bucket for the next caller.
 -- ARGV[14] blockFor in milliseconds (0: the rule blocks nobody). While the block key exists the
 --          call grants nothing (returns and debts still apply), and reports the block's
 --          remaining time, so every sidecar learns a block with its next call for the bucket.
@@ -86,9 +88,10 @@ end
 local state = redis.call('HGET', key, field)
 local granted, remaining, reset_ms, retry_ms, window, ready_us = 0, 0, 0, 0, 0, 0
 
--- This caller's demand-weighted part of one share period's refill of a contested bucket
--- (`every_us`: microseconds per token), or nil when the bucket is not contested or no demand
--- was reported. State: 'q<window end ms>,<span ms>,<current>,<previous>'.
+-- This caller's entitlement in a contested bucket (`every_us`: microseconds per token): the
+-- refill of a demand window times its part of the fleet's demand per window; nil when the
+-- bucket is not contested or no demand was reported. State: 'q<window end ms>,<span ms>,
+-- <current>,<previous>,<ms the contest began>'.
 local function fair_share(every_us, contested, busy)
   if demand <= 0 or share_ms <= 0 then return nil end
   local dfield = field .. 'd'
@@ -104,34 +107,50 @@ local function fair_share(every_us, contested, busy)
   local span = 4 * share_ms
   local win = math.floor(now_ms / span)
   local win_end = (win + 1) * span
-  local cur, prev = 0, 0
+  local cur, prev, began = 0, 0, now_ms
   if dstate then
-    local s_end, s_cur, s_prev = string.match(dstate, '^q(%d+),%d+,(%d+),(%d+)$')
+    local s_end, s_cur, s_prev, s_began =
+      string.match(dstate, '^q(%d+),%d+,(%d+),(%d+),?(%d*)$')
     s_end = tonumber(s_end)
     if s_end == win_end then
-      cur, prev = tonumber(s_cur), tonumber(s_prev)
+      cur, prev, began = tonumber(s_cur), tonumber(s_prev), tonumber(s_began) or now_ms
     elseif s_end == win_end - span then
-      prev = tonumber(s_cur)
+      prev, began = tonumber(s_cur), tonumber(s_began) or now_ms
     end
   end
-  -- The fleet's demand over the last span, before this report: the caller's own reports of
-  -- that span are in it, this one would count its latest period twice.
-  local total = prev * (1 - (now_ms - win * span) / span) + cur
-  if total < demand then total = demand end
   cur = cur + demand
-  redis.call('HSET', key, dfield, string.format('q%.0f,%.0f,%.0f,%.0f', win_end, span, cur, prev))
-  -- The caller's part of the fleet's demand, applied to the refill of a reach that grows
-  -- with the part. A grant is a run of consecutive tokens of the schedule, released at the
-  -- bucket's own rate; a sidecar with part p of the demand uses them at no less than p times
-  -- that rate, so at most (1 - p) of its run waits unused, refused elsewhere meanwhile.
-  -- Reaching one period / (1 - p) keeps that to one period's share, so small parts take
-  -- short runs and a sidecar with nearly all of the demand reserves its whole horizon in one
-  -- call.
-  local part = demand * (span / share_ms) / total
-  if part > 1 then part = 1 end
-  local reach_us = ahead_us
-  if part < 1 then reach_us = math.min(ahead_us, share_ms * 1000 / (1 - part)) end
-  return math.ceil(reach_us / every_us * part)
+  -- The fleet's demand per span: the last whole span's, or the current one's so far (this
+  -- report included) once it is larger. Not a sliding estimate: one that moves with every
+  -- report is larger just after another sidecar's report than just before the next, so
+  -- sidecars whose rounds follow others closely got ~10 % less than those that did not. A
+  -- span the contest began in counts for the part of it that was watched, and the first
+  -- span is extrapolated from what it has seen (at least one share period): otherwise the
+  -- first callers of a contest are entitled to a whole span's refill.
+  local win_start = win * span
+  local total
+  if prev > 0 then
+    local watched = math.max(win_start - math.max(win_start - span, began), share_ms)
+    total = math.max(prev * span / watched, cur)
+  else
+    local watched = math.max(now_ms - math.max(win_start, began), share_ms)
+    total = math.max(cur, cur * span / watched)
+  end
+  redis.call('HSET', key, dfield,
+    string.format('q%.0f,%.0f,%.0f,%.0f,%.0f', win_end, span, cur, prev, began))
+  -- Each report is entitled to its part of a span's refill: summed over the reports of a
+  -- span, the fleet gets the refill (while demand holds steady; never more, since the
+  -- schedule bounds every grant), each sidecar in proportion to the demand it reported,
+  -- however its calls fall in time. The fraction of a token is granted with that
+  -- probability (Redis's microseconds as the coin), so small entitlements are not rounded
+  -- away.
+  -- A caller with nearly all of the demand (its report read as one share period's) is not
+  -- capped: it reserves its whole horizon in one call and skips rounds, as an uncontested
+  -- sidecar does, and the others' small entitlements still find room in the schedule.
+  if demand * (span / share_ms) >= 0.9 * total then return nil end
+  local entitled = (span * 1000 / every_us) * demand / total
+  local whole = math.floor(entitled)
+  if (now_us % 1000) < (entitled - whole) * 1000 then whole = whole + 1 end
+  return whole
 end
 
 if algo == 1 then
@@ -154,17 +173,21 @@ if algo == 1 then
   -- What the bucket will have had by the end of the horizon (tokens conformant by then).
   local reachable = math.floor((ahead_us + tau - lag) / T + 1e-9)
   if reachable < available then reachable = available end
-  local fair = fair_share(T, want > available, lag > 0)
-  -- The share comes on top of what is conformant now: refill nobody claimed goes to the
-  -- next caller instead of overflowing the bucket.
-  if fair and available + fair < reachable then reachable = available + fair end
+  -- A contested bucket grants a lease at most its entitlement, tokens conformant now
+  -- included; what nobody claimed stays in the bucket for the next caller. All-or-nothing
+  -- calls (a request's own cost) are decided by arrival, as an exact bucket decides them.
+  local entitled = fair_share(T, want > available, lag > 0)
+  if all_or_nothing then entitled = nil end
+  if entitled and entitled < reachable then reachable = entitled end
   if want > 0 then
-    if want <= available then granted = want
+    if want <= available and (not entitled or want <= entitled) then granted = want
     elseif not all_or_nothing then granted = math.min(want, reachable) end
   end
   lag = lag + granted * T
   remaining = available - granted
-  if remaining < 0 then remaining = 0 end
+  -- Tokens an entitlement left in the bucket are the other sidecars' part: to this one the
+  -- bucket is empty until its next call (so it refuses locally instead of asking per request).
+  if remaining < 0 or (entitled and granted < want) then remaining = 0 end
   if granted > 0 and lag > tau then ready_us = math.ceil(lag - tau) end
   reset_ms = math.ceil(lag / 1000)
   if granted < want then

@@ -1,6 +1,7 @@
 //! What global limits cost Redis: client-issued commands per 1000 admitted requests, counted
 //! the way an operator would, with `MONITOR` on a real `redis-server` (a script call counts as
-//! one command, the commands it runs inside Redis are not counted).
+//! one command, the commands it runs inside Redis are not counted), and Redis CPU per 1000
+//! admitted, from `INFO commandstats` (`usec`: a batched call weighs what it costs).
 //!
 //! - A saturated key (one sidecar far over a 1000/s, burst 100 token bucket, two others at
 //!   about 5 % each) costs at most about one script call per sync interval per sidecar, with
@@ -255,11 +256,37 @@ struct Row {
     sat_steady_expected: f64,
     commands: u64,
     by_command: std::collections::BTreeMap<String, u64>,
+    /// Microseconds Redis spent executing the run's commands (`INFO commandstats`).
+    redis_usec: u64,
+}
+
+/// Microseconds Redis spent in commands since the last `CONFIG RESETSTAT`, leaving out the
+/// measurement's own (`INFO`, `CONFIG`, `MONITOR`).
+fn command_usec(redis: &Redis) -> u64 {
+    redis
+        .cli(&["INFO", "commandstats"])
+        .lines()
+        .filter_map(|l| l.strip_prefix("cmdstat_"))
+        .filter(|l| {
+            !["info:", "config|", "config:", "monitor:"]
+                .iter()
+                .any(|m| l.starts_with(m))
+        })
+        .filter_map(|l| {
+            l.split(',')
+                .find_map(|f| f.strip_prefix("usec="))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .sum()
 }
 
 impl Row {
     fn per_1000(&self) -> f64 {
         self.commands as f64 * 1000.0 / self.admitted.max(1) as f64
+    }
+
+    fn usec_per_1000(&self) -> f64 {
+        self.redis_usec as f64 * 1000.0 / self.admitted.max(1) as f64
     }
 
     /// The saturated key's admitted count: within 1 % of its bucket once leases have ramped
@@ -292,6 +319,7 @@ impl Row {
 
 async fn measure(fleet: &Fleet, load: Load, dur: Duration) -> Row {
     let n = fleet.sidecars.len();
+    fleet.redis.cli(&["CONFIG", "RESETSTAT"]);
     let monitor = Monitor::start(fleet.redis.port);
     let t0 = Instant::now();
     let steady_from = t0 + STEADY_AFTER;
@@ -376,6 +404,7 @@ async fn measure(fleet: &Fleet, load: Load, dur: Duration) -> Row {
     }
     let by_command = monitor.counts();
     drop(monitor);
+    let redis_usec = command_usec(&fleet.redis);
     let tallies = [hot.get(), sat.get(), cold.get()];
     let other: u64 = tallies.iter().map(|t| t.2).sum();
     assert_eq!(other, 0, "{load:?}: requests neither admitted nor limited");
@@ -402,12 +431,13 @@ async fn measure(fleet: &Fleet, load: Load, dur: Duration) -> Row {
         },
         commands: by_command.values().sum(),
         by_command,
+        redis_usec,
     }
 }
 
 fn report(rows: &[Row]) -> String {
     let mut out = String::from(
-        "| load | sidecars | admitted/s | client commands per 1000 admitted | saturated key: admitted / allowed, whole run | after the first second | commands by name |\n|---|---|---|---|---|---|---|\n",
+        "| load | sidecars | admitted/s | client commands per 1000 admitted | Redis CPU µs per 1000 admitted | saturated key: admitted / allowed, whole run | after the first second | commands by name |\n|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let share = |got: u64, allowed: f64| {
@@ -429,11 +459,12 @@ fn report(rows: &[Row]) -> String {
             .map(|(k, v)| format!("{k} {v}"))
             .collect();
         out.push_str(&format!(
-            "| {} | {} | {:.0} | {:.1} | {} | {} |\n",
+            "| {} | {} | {:.0} | {:.1} | {:.0} | {} | {} |\n",
             r.load.name(),
             r.sidecars,
             r.admitted as f64 / r.secs,
             r.per_1000(),
+            r.usec_per_1000(),
             sat,
             names.join(", ")
         ));
