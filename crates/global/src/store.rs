@@ -15,6 +15,10 @@ use redis::aio::ConnectionLike;
 use tollgate_limiter::{Clock, MonotonicClock, Nanos};
 
 const LEASE_LUA: &str = include_str!("lease.lua");
+/// Most buckets one lease script call decides: a bucket costs Redis tens of microseconds, so
+/// a call holds Redis for a few milliseconds at most, and a round of many keys still costs
+/// one command per 64 of them instead of one per key.
+pub const MAX_LEASE_BATCH: usize = 64;
 const MEMBERS_LUA: &str = include_str!("members.lua");
 const SHARE_LUA: &str = include_str!("share.lua");
 
@@ -452,6 +456,24 @@ pub fn parse_lease_reply(v: &redis::Value) -> Result<LeaseReply, StoreError> {
     if items.len() != 7 {
         return Err(StoreError::BadReply(format!("{} items", items.len())));
     }
+    lease_reply_from(items)
+}
+
+/// Parses the reply of a lease call that decided `n` buckets: their 7 fields each, in order.
+pub fn parse_lease_replies(v: &redis::Value, n: usize) -> Result<Vec<LeaseReply>, StoreError> {
+    let redis::Value::Array(items) = v else {
+        return Err(StoreError::BadReply(format!("{v:?}")));
+    };
+    if items.len() != 7 * n {
+        return Err(StoreError::BadReply(format!(
+            "{} items for {n} buckets",
+            items.len()
+        )));
+    }
+    items.chunks_exact(7).map(lease_reply_from).collect()
+}
+
+fn lease_reply_from(items: &[redis::Value]) -> Result<LeaseReply, StoreError> {
     let mut n = [0u64; 7];
     for (slot, item) in n.iter_mut().zip(items) {
         *slot = match item {
@@ -851,8 +873,16 @@ impl Store {
         format!("{}:s:{id:016x}", self.group_key(group))
     }
 
-    fn lease_invocation(&self, op: &LeaseOp) -> redis::ScriptInvocation<'_> {
+    /// One script call deciding `ops` (at most [`MAX_LEASE_BATCH`], all in one Cluster slot).
+    fn lease_invocation(&self, ops: &[LeaseOp]) -> redis::ScriptInvocation<'_> {
         let mut inv = self.lease.prepare_invoke();
+        for op in ops {
+            self.add_lease_op(&mut inv, op);
+        }
+        inv
+    }
+
+    fn add_lease_op(&self, inv: &mut redis::ScriptInvocation<'_>, op: &LeaseOp) {
         inv.key(self.group_key(op.group))
             .key(self.block_key(op.group, &op.field))
             .key(self.settlement_key(op.group, op.settle_id))
@@ -872,7 +902,6 @@ impl Store {
             .arg(op.block_ms)
             .arg(op.settle_id)
             .arg(SETTLEMENT_ID_TTL.as_millis() as u64);
-        inv
     }
 
     /// Publishes a `blockFor` block of one bucket for `block_ms`: one write per block, which
@@ -929,6 +958,9 @@ impl Store {
         result
     }
 
+    /// A single node decides the ops in script calls of up to [`MAX_LEASE_BATCH`] buckets,
+    /// pipelined; a Cluster in one script call per group (a group is one hash slot) and
+    /// batch, the groups' calls concurrent. Replies come back in the order of `ops`.
     async fn lease_batch_inner(&self, ops: &[LeaseOp]) -> Result<Vec<LeaseReply>, StoreError> {
         match self.conn().await? {
             Conn::Single(mut conn) => {
@@ -943,18 +975,37 @@ impl Store {
                     }
                     other => other?,
                 };
-                values.iter().map(parse_lease_reply).collect()
+                let mut replies = Vec::with_capacity(ops.len());
+                for (v, batch) in values.iter().zip(ops.chunks(MAX_LEASE_BATCH)) {
+                    replies.extend(parse_lease_replies(v, batch.len())?);
+                }
+                Ok(replies)
             }
             Conn::Cluster(c) => {
-                let calls = ops.iter().map(|op| {
-                    let mut conn = c.clone();
-                    let inv = self.lease_invocation(op);
-                    async move {
-                        let v: redis::Value = inv.invoke_async(&mut conn).await?;
-                        parse_lease_reply(&v)
-                    }
+                let mut by_group: std::collections::BTreeMap<u32, Vec<usize>> =
+                    std::collections::BTreeMap::new();
+                for (i, op) in ops.iter().enumerate() {
+                    by_group.entry(op.group).or_default().push(i);
+                }
+                let calls = by_group.values().flat_map(|indices| {
+                    indices.chunks(MAX_LEASE_BATCH).map(|chunk| {
+                        let mut conn = c.clone();
+                        let batch: Vec<LeaseOp> = chunk.iter().map(|&i| ops[i].clone()).collect();
+                        async move {
+                            let inv = self.lease_invocation(&batch);
+                            let v: redis::Value = inv.invoke_async(&mut conn).await?;
+                            Ok::<_, StoreError>((chunk, parse_lease_replies(&v, batch.len())?))
+                        }
+                    })
                 });
-                futures_util::future::try_join_all(calls).await
+                let decided = futures_util::future::try_join_all(calls).await?;
+                let mut replies = vec![LeaseReply::default(); ops.len()];
+                for (chunk, got) in decided {
+                    for (&i, r) in chunk.iter().zip(got) {
+                        replies[i] = r;
+                    }
+                }
+                Ok(replies)
             }
         }
     }
@@ -965,8 +1016,8 @@ impl Store {
         conn: &mut C,
     ) -> Result<Vec<redis::Value>, StoreError> {
         let mut pipe = redis::pipe();
-        for op in ops {
-            pipe.invoke_script(&self.lease_invocation(op));
+        for batch in ops.chunks(MAX_LEASE_BATCH) {
+            pipe.invoke_script(&self.lease_invocation(batch));
         }
         Ok(pipe.query_async(conn).await?)
     }
