@@ -19,6 +19,9 @@ const LEASE_LUA: &str = include_str!("lease.lua");
 /// a call holds Redis for a few milliseconds at most, and a round of many keys still costs
 /// one command per 64 of them instead of one per key.
 pub const MAX_LEASE_BATCH: usize = 64;
+/// Most RLQS buckets one fleet-exchange script call carries (a bucket costs Redis a hash read
+/// and write).
+pub const MAX_SHARE_BATCH: usize = 128;
 const MEMBERS_LUA: &str = include_str!("members.lua");
 const SHARE_LUA: &str = include_str!("share.lua");
 
@@ -457,6 +460,33 @@ pub fn parse_lease_reply(v: &redis::Value) -> Result<LeaseReply, StoreError> {
         return Err(StoreError::BadReply(format!("{} items", items.len())));
     }
     lease_reply_from(items)
+}
+
+/// Parses the reply of a fleet-exchange call for `n` RLQS buckets: three fields each.
+fn parse_share_replies(v: &redis::Value, n: usize) -> Result<Vec<ShareReply>, StoreError> {
+    let redis::Value::Array(items) = v else {
+        return Err(StoreError::BadReply(format!("{v:?}")));
+    };
+    if items.len() != 3 * n {
+        return Err(StoreError::BadReply(format!(
+            "{} items for {n} buckets",
+            items.len()
+        )));
+    }
+    let int = |item: &redis::Value| match item {
+        redis::Value::Int(i) if *i >= 0 => Ok(*i as u64),
+        other => Err(StoreError::BadReply(format!("{other:?}"))),
+    };
+    items
+        .chunks_exact(3)
+        .map(|r| {
+            Ok(ShareReply {
+                demand_milli: int(&r[0])?,
+                assigned_milli: int(&r[1])?,
+                streams: u32::try_from(int(&r[2])?).unwrap_or(u32::MAX),
+            })
+        })
+        .collect()
 }
 
 /// Parses the reply of a lease call that decided `n` buckets: their 7 fields each, in order.
@@ -1067,7 +1097,10 @@ impl Store {
     }
 
     /// Publishes this replica's RLQS demand and assignments for each bucket and reads what the
-    /// other replicas hold (`share.lua`), in one round trip bounded by `timeout`.
+    /// other replicas hold (`share.lua`), in one round trip bounded by `timeout`: on a single
+    /// node one script call per [`MAX_SHARE_BATCH`] buckets, pipelined; on a Cluster one call
+    /// per bucket (each bucket's hash is its own slot), concurrent. Replies in the order of
+    /// `ops`.
     pub async fn share_batch(
         &self,
         ops: &[ShareOp],
@@ -1079,30 +1112,53 @@ impl Store {
             return Ok(Vec::new());
         }
         let life_ms = lifetime.as_millis() as u64;
-        let fut = async {
-            let conn = self.conn().await?;
-            let calls = ops.iter().map(|op| {
-                let mut inv = self.share.prepare_invoke();
+        let invocation = |batch: &[ShareOp]| {
+            let mut inv = self.share.prepare_invoke();
+            inv.arg(replica).arg(life_ms);
+            for op in batch {
                 inv.key(format!("{}:q:{{{}}}", self.prefix, op.bucket))
-                    .arg(replica)
                     .arg(op.demand_milli)
                     .arg(op.assigned_milli)
-                    .arg(op.streams)
-                    .arg(life_ms);
-                let mut conn = conn.clone();
-                async move {
-                    let v: (u64, u64, u32) = match &mut conn {
-                        Conn::Single(c) => inv.invoke_async(c).await?,
-                        Conn::Cluster(c) => inv.invoke_async(c).await?,
+                    .arg(op.streams);
+            }
+            inv
+        };
+        let fut = async {
+            match self.conn().await? {
+                Conn::Single(mut c) => {
+                    let mut pipe = redis::pipe();
+                    for batch in ops.chunks(MAX_SHARE_BATCH) {
+                        pipe.invoke_script(&invocation(batch));
+                    }
+                    let values: Vec<redis::Value> = match pipe.query_async(&mut c).await {
+                        Err(e)
+                            if e.kind()
+                                == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                        {
+                            self.share.prepare_invoke().load_async(&mut c).await?;
+                            pipe.query_async(&mut c).await?
+                        }
+                        other => other?,
                     };
-                    Ok::<ShareReply, StoreError>(ShareReply {
-                        demand_milli: v.0,
-                        assigned_milli: v.1,
-                        streams: v.2,
-                    })
+                    let mut replies = Vec::with_capacity(ops.len());
+                    for (v, batch) in values.iter().zip(ops.chunks(MAX_SHARE_BATCH)) {
+                        replies.extend(parse_share_replies(v, batch.len())?);
+                    }
+                    Ok(replies)
                 }
-            });
-            futures_util::future::try_join_all(calls).await
+                Conn::Cluster(c) => {
+                    let calls = ops.chunks(1).map(|one| {
+                        let inv = invocation(one);
+                        let mut c = c.clone();
+                        async move {
+                            let v: redis::Value = inv.invoke_async(&mut c).await?;
+                            parse_share_replies(&v, 1)
+                        }
+                    });
+                    let replies = futures_util::future::try_join_all(calls).await?;
+                    Ok(replies.into_iter().flatten().collect())
+                }
+            }
         };
         self.bounded(timeout, fut).await
     }

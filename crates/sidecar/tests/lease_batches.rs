@@ -1,7 +1,7 @@
 //! Lease calls in batches, on a real redis-server and a real Redis Cluster: one script call
 //! decides up to `MAX_LEASE_BATCH` buckets (a Cluster's per group, which is one hash slot),
 //! the replies come back in the order asked, and a bucket asked twice in one batch sees its
-//! first grant.
+//! first grant; the RLQS fleet exchange batches its buckets the same way.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -15,7 +15,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use tollgate_global::store::{LeaseOp, MAX_LEASE_BATCH, Store};
+use tollgate_global::store::{LeaseOp, MAX_LEASE_BATCH, MAX_SHARE_BATCH, ShareOp, Store};
 use tollgate_testkit::{Monitor, RedisCluster};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
@@ -114,6 +114,55 @@ async fn a_cluster_decides_a_batch_per_group_and_answers_in_order() {
             .collect();
         let replies = store.lease_batch(&many, TIMEOUT).await.expect("lease");
         check_in_order(&many, &replies);
+    })
+    .await;
+}
+
+/// The RLQS fleet exchange: 300 buckets cost one script call per 128, and each bucket's reply
+/// holds what the other replica published for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rlqs_exchange_costs_one_script_call_per_batch_of_buckets() {
+    within(60, async {
+        let redis = Redis::start();
+        let store = Store::new(&redis.url(), false, 1).expect("store");
+        let ops = |replica_demand: u64| -> Vec<ShareOp> {
+            (0..300u64)
+                .map(|i| ShareOp {
+                    bucket: format!("rule/k{i}"),
+                    demand_milli: replica_demand + i,
+                    assigned_milli: 2 * i,
+                    streams: 1,
+                })
+                .collect()
+        };
+        let life = Duration::from_secs(5);
+        let first = store
+            .share_batch(&ops(1000), "a", life, TIMEOUT)
+            .await
+            .expect("replica a");
+        assert!(first.iter().all(|r| r.demand_milli == 0 && r.streams == 0));
+        let monitor = Monitor::start(redis.port);
+        let seen = store
+            .share_batch(&ops(5000), "b", life, TIMEOUT)
+            .await
+            .expect("replica b");
+        for (i, r) in seen.iter().enumerate() {
+            let i = i as u64;
+            assert_eq!(
+                (r.demand_milli, r.assigned_milli, r.streams),
+                (1000 + i, 2 * i, 1),
+                "bucket {i}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let counts = monitor.counts();
+        let calls =
+            counts.get("evalsha").copied().unwrap_or(0) + counts.get("eval").copied().unwrap_or(0);
+        assert_eq!(
+            calls,
+            300usize.div_ceil(MAX_SHARE_BATCH) as u64,
+            "{counts:?}"
+        );
     })
     .await;
 }
