@@ -470,7 +470,13 @@ impl QuotaState {
             streams: streams.max(1),
         });
         let lifetime = self.settings.entry_lifetime();
-        let timeout = self.settings.sync_interval.min(Duration::from_millis(250));
+        // Redis spends about 4 µs per bucket of an exchange (100,000 buckets: 782 calls, about
+        // 0.4 s of Redis CPU, 0.55 s on the wire; crates/sidecar/tests/lease_batches.rs): a
+        // fixed timeout would drop every exchange of a large fleet, so it grows by 10 µs a
+        // bucket.
+        let per_bucket =
+            Duration::from_micros(10).saturating_mul(u32::try_from(ops.len()).unwrap_or(u32::MAX));
+        let timeout = self.settings.sync_interval.min(Duration::from_millis(250)) + per_bucket;
         let Ok(mut replies) = global
             .store
             .share_batch(&ops, &self.settings.replica, lifetime, timeout)

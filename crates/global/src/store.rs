@@ -1059,6 +1059,8 @@ impl Store {
         let fut = async {
             if let Conn::Single(mut c) = self.conn().await? {
                 self.lease.prepare_invoke().load_async(&mut c).await?;
+                // The RLQS exchange pipelines its batches: unloaded, each would meet NOSCRIPT.
+                self.share.prepare_invoke().load_async(&mut c).await?;
             }
             Ok::<(), StoreError>(())
         };

@@ -166,3 +166,72 @@ async fn the_rlqs_exchange_costs_one_script_call_per_batch_of_buckets() {
     })
     .await;
 }
+
+/// 100,000 active RLQS buckets over two replicas: what one exchange costs (printed for
+/// docs/gateway.md: commands, wall time, Redis CPU from `INFO commandstats`), and that the
+/// commands are one per batch and every bucket sees the other replica's figures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_thousand_rlqs_buckets_exchange_in_batches() {
+    within(300, async {
+        let redis = Redis::start();
+        let store = Store::new(&redis.url(), false, 1).expect("store");
+        store.warm_up(TIMEOUT).await.expect("warm up");
+        let n = 100_000u64;
+        let ops = |base: u64| -> Vec<ShareOp> {
+            (0..n)
+                .map(|i| ShareOp {
+                    bucket: format!("tenant-rule/{i:016x}"),
+                    demand_milli: base + i % 1000,
+                    assigned_milli: base,
+                    streams: 1,
+                })
+                .collect()
+        };
+        let (a, b) = (ops(1_000), ops(2_000));
+        let life = Duration::from_secs(30);
+        let per_exchange = n.div_ceil(MAX_SHARE_BATCH as u64);
+        for round in 0..3 {
+            for (replica, mine, other) in [("a", &a, 2_000u64), ("b", &b, 1_000u64)] {
+                redis.cli(&["CONFIG", "RESETSTAT"]);
+                let started = std::time::Instant::now();
+                let seen = store
+                    .share_batch(mine, replica, life, Duration::from_secs(60))
+                    .await
+                    .expect("exchange");
+                let took = started.elapsed();
+                let stats = redis.cli(&["INFO", "commandstats"]);
+                let calls_usec = |name: &str| -> (u64, u64) {
+                    stats
+                        .lines()
+                        .find_map(|l| l.strip_prefix(&format!("cmdstat_{name}:")))
+                        .map(|l| {
+                            let field = |k: &str| {
+                                l.split(',')
+                                    .find_map(|f| f.strip_prefix(k))
+                                    .and_then(|v| v.parse().ok())
+                                    .unwrap_or(0)
+                            };
+                            (field("calls="), field("usec="))
+                        })
+                        .unwrap_or((0, 0))
+                };
+                let (evalsha, usec_sha) = calls_usec("evalsha");
+                let (eval, usec_eval) = calls_usec("eval");
+                eprintln!(
+                    "RLQS exchange, round {round}, replica {replica}: {n} buckets, {} script calls, {:.0} ms, Redis {:.0} ms of CPU ({:.2} µs per bucket)",
+                    evalsha + eval,
+                    took.as_secs_f64() * 1000.0,
+                    (usec_sha + usec_eval) as f64 / 1000.0,
+                    (usec_sha + usec_eval) as f64 / n as f64
+                );
+                assert_eq!(evalsha + eval, per_exchange, "one call per batch");
+                if round > 0 || replica == "b" {
+                    for (i, r) in seen.iter().enumerate() {
+                        assert_eq!(r.assigned_milli, other, "bucket {i}");
+                    }
+                }
+            }
+        }
+    })
+    .await;
+}
