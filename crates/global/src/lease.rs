@@ -152,20 +152,6 @@ pub struct Slot {
     /// failed may still have landed (a timeout), so it is sent again with the same id, which
     /// Redis applies once; confirmed ones are removed.
     unsettled: Mutex<Vec<Settlement>>,
-    /// Of `tokens`, those a new key was admitted against before Redis heard of it (see
-    /// `GlobalRule::admit_new`): the spent ones are owed with the key's next call, the unused
-    /// ones were never taken and vanish then.
-    unbacked: AtomicU64,
-    /// Spent `unbacked` tokens owed to Redis. They go at most once, without a settlement id
-    /// (which would cost Redis a key per new key for a minute): a call that fails after it was
-    /// sent may have landed, so what it carried is not sent again but reported as admitted
-    /// uncounted (`tollgate_fallback_admitted_total`), as the fail-open rules these keys
-    /// belong to report what they admit while Redis is away.
-    owed_ahead: AtomicU64,
-    /// `owed_ahead` carried by the sync call in flight.
-    ahead_in_flight: AtomicU64,
-    /// When Redis's last answer said the bucket is full again (clock ns; 0: no answer yet).
-    full_at: AtomicU64,
 }
 
 /// A debt on its way to Redis, under the id Redis applies it once by.
@@ -184,11 +170,6 @@ const MAX_UNSETTLED: usize = 8;
 
 /// Keys per rule that may hold a debt for Redis while it is away (about 200 bytes each).
 const MAX_OWING_KEYS: usize = 65_536;
-
-/// Keys per rule remembered, after their lease is dropped, as below full in Redis (24 bytes
-/// each): they are not admitted ahead of Redis again until their bucket has refilled. Past
-/// this many, no new key of the rule is (see `GlobalRule::admit_new`).
-const MAX_UNFULL_KEYS: usize = 65_536;
 
 /// A settlement id unique across sidecars: a random per-process base plus a counter.
 fn settlement_id() -> u64 {
@@ -323,10 +304,6 @@ impl Slot {
         }
         self.global_remaining.store(r.remaining, Ordering::Relaxed);
         self.reset_ms.store(r.reset_ms, Ordering::Relaxed);
-        self.full_at.store(
-            now.saturating_add(r.reset_ms.saturating_mul(NANOS_PER_MS)),
-            Ordering::Relaxed,
-        );
         self.window.store(r.window, Ordering::Relaxed);
         self.valid_until.store(valid_until, Ordering::Release);
         if want > 0 {
@@ -417,18 +394,6 @@ impl Slot {
         s
     }
 
-    /// Turns the tokens a new key was admitted against before Redis heard of it into debt for
-    /// the key's next call: the spent ones are owed, the unused ones dropped (they were never
-    /// taken from Redis). Tokens are fungible: leased ones dropped here pay for spent ones.
-    fn settle_unbacked(&self) {
-        let unbacked = self.unbacked.swap(0, Ordering::AcqRel);
-        if unbacked > 0 {
-            let unused = take_up_to(&self.tokens, unbacked);
-            self.owed_ahead
-                .fetch_add(unbacked - unused, Ordering::AcqRel);
-        }
-    }
-
     /// Redis answered a call that carried settlement `id`: it is applied.
     fn settled(&self, id: u64) {
         if id != 0 {
@@ -500,14 +465,7 @@ pub struct GlobalRule {
     /// `limit.blockFor` (0: none): a key this rule rejects is blocked at every sidecar.
     block_for: Nanos,
     shards: Vec<Mutex<HashMap<[u8; 16], Arc<Slot>>>>,
-    /// Keys whose lease was dropped while Redis said their bucket was below full, and when it
-    /// is full again: no new-key admission ahead of Redis for them until then.
-    unfull: Vec<Mutex<HashMap<[u8; 16], Nanos>>>,
-    unfull_len: std::sync::atomic::AtomicUsize,
     live: AtomicU32,
-    /// A membership count has arrived since the rule was built: until then `live` is 1 and
-    /// the share the whole bucket, which no sidecar may admit ahead of Redis.
-    live_known: AtomicBool,
     /// Local limiter at this sidecar's share, used while Redis is unreachable (fail open).
     fallback: ArcSwap<KeyedLimiter>,
     store_config: StoreConfig,
@@ -554,10 +512,7 @@ impl GlobalRule {
             failure_mode: rule.failure_mode,
             block_for: rule.limit.block_for_ms.saturating_mul(NANOS_PER_MS),
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
-            unfull: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
-            unfull_len: std::sync::atomic::AtomicUsize::new(0),
             live: AtomicU32::new(1),
-            live_known: AtomicBool::new(false),
             fallback: ArcSwap::from(fallback),
             store_config,
             runtime,
@@ -585,7 +540,6 @@ impl GlobalRule {
     /// Updates the membership count; recomputes the share when it changed.
     pub fn set_live_sidecars(&self, n: u32) {
         let n = n.max(1);
-        self.live_known.store(true, Ordering::Release);
         if self.live.swap(n, Ordering::Relaxed) != n
             && let Ok(q) = share_limit(&self.limit, n)
         {
@@ -778,10 +732,6 @@ impl GlobalRule {
                 waiting: AtomicU64::new(0),
                 block_ends: AtomicU64::new(0),
                 unsettled: Mutex::new(Vec::new()),
-                unbacked: AtomicU64::new(0),
-                owed_ahead: AtomicU64::new(0),
-                ahead_in_flight: AtomicU64::new(0),
-                full_at: AtomicU64::new(0),
             })
         }));
         (slot, new)
@@ -826,89 +776,7 @@ impl GlobalRule {
         if self.runtime.store.breaker.is_open() {
             return self.degraded(slot.as_deref(), key, now, cost);
         }
-        if slot.is_none()
-            && let Some(d) = self.admit_new(field, now, cost)
-        {
-            return LocalOutcome::Decided(d);
-        }
         LocalOutcome::NeedRemote
-    }
-
-    /// A key this sidecar holds nothing for, admitted against its share of the bucket before
-    /// Redis hears of it: the spent tokens are owed with the key's next call (its sync round,
-    /// batched with the other keys'), so a key seen once costs Redis part of one batched call
-    /// instead of a round trip on its first request. Only where that admits no more than the
-    /// bucket would while its sidecars see it full: a token bucket (a full one holds every
-    /// sidecar's share at once), failing open (a rule failing closed would rather refuse than
-    /// count late), without `blockFor` (a block is learned from Redis), and not for a key
-    /// whose bucket Redis last said was below full (`unfull`), nor before the rule's first
-    /// membership count (its share would be the whole bucket). A key other sidecars drained
-    /// meanwhile gets at most this share here before this sidecar learns it.
-    fn admit_new(&self, field: &[u8; 16], now: Nanos, cost: u64) -> Option<Decision> {
-        let share = self.share();
-        if self.algorithm != 1
-            || !self.live_known.load(Ordering::Acquire)
-            || self.failure_mode != FailureMode::Open
-            || self.block_for > 0
-            || cost > share
-            || self.known_unfull(field, now)
-        {
-            return None;
-        }
-        let (slot, new) = self.slot_or_insert(*field, self.group_of(field), now);
-        if new {
-            slot.global_remaining
-                .store(self.capacity.saturating_sub(share), Ordering::Relaxed);
-            slot.unbacked.store(share, Ordering::Release);
-            slot.tokens.store(share, Ordering::Release);
-            slot.valid_until
-                .store(self.runtime.settings.lease_until(now), Ordering::Release);
-            self.runtime.metrics.admitted_ahead_of_redis.inc();
-        }
-        self.spend(&slot, now, cost)
-    }
-
-    /// Whether Redis last said this key's bucket is below full (or too many such keys are
-    /// remembered to tell).
-    fn known_unfull(&self, field: &[u8; 16], now: Nanos) -> bool {
-        if self.unfull_len.load(Ordering::Relaxed) >= MAX_UNFULL_KEYS {
-            return true;
-        }
-        self.unfull[field[15] as usize % SHARDS]
-            .lock()
-            .get(field)
-            .is_some_and(|&full_at| full_at > now)
-    }
-
-    /// Remembers a dropped key whose bucket Redis last said was below full.
-    fn remember_unfull(&self, field: [u8; 16], slot: &Slot, now: Nanos) {
-        let full_at = slot.full_at.load(Ordering::Relaxed);
-        if self.algorithm != 1
-            || full_at <= now
-            || self.unfull_len.load(Ordering::Relaxed) >= MAX_UNFULL_KEYS
-        {
-            return;
-        }
-        let mut shard = self.unfull[field[15] as usize % SHARDS].lock();
-        if shard.insert(field, full_at).is_none() {
-            self.unfull_len.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    /// Forgets the keys whose buckets are full again.
-    fn expire_unfull(&self, now: Nanos) {
-        let mut len = 0;
-        for shard in &self.unfull {
-            let mut shard = shard.lock();
-            shard.retain(|_, full_at| *full_at > now);
-            len += shard.len();
-        }
-        self.unfull_len.store(len, Ordering::Relaxed);
-    }
-
-    /// The group (Redis hash) of a bucket id, as `field_for` chose it.
-    fn group_of(&self, field: &[u8; 16]) -> u32 {
-        u32::from_le_bytes([field[0], field[1], field[2], field[3]]) % self.runtime.store.groups
     }
 
     /// Decision while Redis cannot be asked: the rule's failure mode, except for a key that is
@@ -1113,8 +981,6 @@ impl GlobalRule {
         if timeout.is_zero() {
             return self.degraded(Some(&slot), key, now, cost);
         }
-        // What this key spent ahead of Redis goes with this call, as debt.
-        slot.settle_unbacked();
         let held = slot.tokens.load(Ordering::Acquire) + slot.pending_count();
         let horizon = self.horizon();
         let target = slot
@@ -1127,8 +993,7 @@ impl GlobalRule {
             .max(self.part_of_remaining(&slot, target.saturating_sub(held)));
         let mut op = self.op(field, group, want, 0, 0, false);
         let settlement = slot.take_settlement(now);
-        let ahead = slot.owed_ahead.swap(0, Ordering::AcqRel);
-        op.force = settlement.force + ahead;
+        op.force = settlement.force;
         op.settle_id = settlement.id;
         op.ahead_ms = Self::ahead_ms(horizon);
         let seen = slot.spent.load(Ordering::Relaxed) + slot.denied.load(Ordering::Relaxed);
@@ -1161,9 +1026,6 @@ impl GlobalRule {
                 // unconfirmed and goes again under its id. One never sent is owed again.
                 if matches!(e, StoreError::BreakerOpen) {
                     slot.unsent(settlement);
-                    slot.owed_ahead.fetch_add(ahead, Ordering::AcqRel);
-                } else {
-                    self.runtime.metrics.fallback_admitted.inc_by(ahead);
                 }
                 self.degraded(Some(&slot), key, now, cost)
             }
@@ -1473,15 +1335,10 @@ impl GlobalRule {
             saturated_cap: self.lease_cap(2 * horizon),
             idle_after: 2 * self.runtime.settings.sync_interval.as_nanos() as Nanos,
         };
-        self.expire_unfull(now);
         for shard in &self.shards {
-            shard.lock().retain(|field, slot| {
-                let keep = self.plan_slot(slot, &round, plan);
-                if !keep {
-                    self.remember_unfull(*field, slot, now);
-                }
-                keep
-            });
+            shard
+                .lock()
+                .retain(|_, slot| self.plan_slot(slot, &round, plan));
         }
     }
 
@@ -1490,22 +1347,18 @@ impl GlobalRule {
     fn plan_exact(&self, now: Nanos, plan: &mut Vec<(Arc<Slot>, LeaseOp)>) {
         for shard in &self.shards {
             shard.lock().retain(|_, slot| {
-                slot.settle_unbacked();
                 let give = slot.tokens.swap(0, Ordering::AcqRel) + slot.take_pending(u64::MAX);
                 let settlement = slot.take_settlement(now);
-                let ahead = slot.owed_ahead.swap(0, Ordering::AcqRel);
-                if give > 0 || settlement.force > 0 || ahead > 0 {
+                if give > 0 || settlement.force > 0 {
                     let window = slot.window.load(Ordering::Relaxed);
                     let mut op = self.op(slot.field, slot.group, 0, give, window, false);
-                    op.force = settlement.force + ahead;
+                    op.force = settlement.force;
                     op.settle_id = settlement.id;
-                    slot.ahead_in_flight.store(ahead, Ordering::Release);
                     plan.push((Arc::clone(slot), op));
                 }
                 now < slot.blocked_until.load(Ordering::Acquire)
                     || slot.blocked_for(now).is_some()
                     || settlement.force > 0
-                    || ahead > 0
             });
         }
     }
@@ -1517,15 +1370,13 @@ impl GlobalRule {
         round: &RoundPlan,
         plan: &mut Vec<(Arc<Slot>, LeaseOp)>,
     ) -> bool {
-        slot.settle_unbacked();
         let (target, demand) = self.plan_target(slot, round);
         let demand = demand.saturating_sub(slot.reported.swap(0, Ordering::AcqRel));
         slot.unreported.fetch_add(demand, Ordering::AcqRel);
         let idle = target == 0;
         slot.target.store(target.max(1), Ordering::Relaxed);
         let settlement = slot.take_settlement(round.now);
-        let ahead = slot.owed_ahead.swap(0, Ordering::AcqRel);
-        let owed = settlement.force + ahead;
+        let owed = settlement.force;
         let planned = plan.len();
         let held = slot.tokens.load(Ordering::Acquire) + slot.pending_count();
         // A shrinking target returns its excess only once that is worth a call of its own:
@@ -1583,7 +1434,6 @@ impl GlobalRule {
             if let Some((_, op)) = plan.last_mut() {
                 op.force = owed;
                 op.settle_id = settlement.id;
-                slot.ahead_in_flight.store(ahead, Ordering::Release);
             }
         }
         !idle
@@ -1651,17 +1501,13 @@ impl GlobalRule {
         match reply {
             Some(r) => {
                 slot.settled(op.settle_id);
-                slot.ahead_in_flight.store(0, Ordering::Release);
                 self.credit(slot, r, op.want, now);
             }
             // The return did not reach Redis: keep the tokens (they were taken legitimately).
             // A settlement it carried stays unconfirmed: the next call sends it again under
-            // its id, and Redis applies it once whether or not this one landed. What was owed
-            // ahead of Redis went at most once: reported as admitted uncounted.
+            // its id, and Redis applies it once whether or not this one landed.
             None => {
                 slot.tokens.fetch_add(op.give_back, Ordering::AcqRel);
-                let ahead = slot.ahead_in_flight.swap(0, Ordering::AcqRel);
-                self.runtime.metrics.fallback_admitted.inc_by(ahead);
             }
         }
         slot.topping_up.store(false, Ordering::Release);
@@ -1688,15 +1534,16 @@ impl GlobalRule {
         let mut ops = Vec::new();
         for shard in &self.shards {
             for slot in shard.lock().values() {
-                slot.settle_unbacked();
                 let give = slot.tokens.swap(0, Ordering::AcqRel) + slot.take_pending(u64::MAX);
-                // What was admitted ahead of Redis is charged on the way out too.
-                let ahead = slot.owed_ahead.swap(0, Ordering::AcqRel);
-                if give > 0 || ahead > 0 {
-                    let window = slot.window.load(Ordering::Relaxed);
-                    let mut op = self.op(slot.field, slot.group, 0, give, window, false);
-                    op.force = ahead;
-                    ops.push(op);
+                if give > 0 {
+                    ops.push(self.op(
+                        slot.field,
+                        slot.group,
+                        0,
+                        give,
+                        slot.window.load(Ordering::Relaxed),
+                        false,
+                    ));
                 }
             }
         }

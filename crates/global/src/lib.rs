@@ -53,8 +53,6 @@ pub struct GlobalMetrics {
     pub breaker_open: Gauge,
     pub fallback_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
     pub fallback_admitted: Counter,
-    /// New keys admitted against this sidecar's share before Redis heard of them.
-    pub admitted_ahead_of_redis: Counter,
     live_sidecars: Family<PolicyLabels, Gauge>,
     pub leased_keys: Gauge,
     exact_mode: Family<RuleLabels, Gauge>,
@@ -75,7 +73,6 @@ impl Default for GlobalMetrics {
             breaker_open: Gauge::default(),
             fallback_seconds: Counter::default(),
             fallback_admitted: Counter::default(),
-            admitted_ahead_of_redis: Counter::default(),
             live_sidecars: Family::default(),
             leased_keys: Gauge::default(),
             exact_mode: Family::default(),
@@ -142,7 +139,6 @@ impl GlobalMetrics {
             m.fallback_seconds.clone(),
         );
         r.register("fallback_admitted", "Tokens admitted by fail-open fallback limiters: an upper bound of global over-admission", m.fallback_admitted.clone());
-        r.register("new_keys_admitted_ahead", "New keys of fail-open token buckets admitted against this sidecar's share before Redis heard of them (their cost goes with the next sync round)", m.admitted_ahead_of_redis.clone());
         r.register(
             "live_sidecars",
             "Live sidecars enforcing the policy, as seen by membership",

@@ -326,12 +326,10 @@ async fn equal_demand_gets_even_shares_and_unequal_demand_splits_by_demand() {
                 r.admitted.iter().map(|a| a[w]).collect::<Vec<_>>()
             );
             let (admitted, allowed) = r.total();
-            // Within 3 % of the refill. Requests are counted in the second they were due to be
-            // sent: on a loaded machine a stalled load generator sends some late, decided
-            // against later refill, so a total can read up to 2-3 % high without any
-            // over-admission (small_limits judges over-admission by decision time).
+            // Never above the refill (a window's edge may hold one token of the next), and
+            // no more than 3 % under it.
             assert!(
-                admitted as f64 <= allowed as f64 * 1.03 + 2.0,
+                admitted as f64 <= allowed as f64 * 1.01 + 2.0,
                 "{what}: admitted {admitted} of {allowed}"
             );
             assert!(

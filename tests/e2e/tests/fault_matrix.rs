@@ -789,7 +789,6 @@ fn seed_scenario_slow_counter_store() {
     let (rtt_sum, rtt_count) = rtt(&cluster);
     let base_rtt_ms = rtt_sum / rtt_count.max(1.0) * 1e3;
     let fallback0 = cluster.sum("tollgate_fallback_admitted_total", &[]);
-    let ahead0 = cluster.sum("tollgate_new_keys_admitted_ahead_total", &[]);
     let calls0 = cluster.sum("tollgate_lease_calls_total", &[]);
     let slow_at = load.now();
     relay.set_delay(25);
@@ -797,7 +796,6 @@ fn seed_scenario_slow_counter_store() {
     let fast_at = load.now();
     let calls_slow = cluster.sum("tollgate_lease_calls_total", &[]) - calls0;
     let fallback_slow = cluster.sum("tollgate_fallback_admitted_total", &[]) - fallback0;
-    let ahead_slow = cluster.sum("tollgate_new_keys_admitted_ahead_total", &[]) - ahead0;
     relay.set_delay(0);
     // Recovery: a first-time key on the fail-closed rule is admitted again by every sidecar.
     let mut probe = 0;
@@ -953,12 +951,8 @@ fn seed_scenario_slow_counter_store() {
         calls_slow <= cold_slow_all as f64 + 3.0,
         "{calls_slow} request-path Redis calls for {cold_slow_all} cold requests: hot keys waited on Redis"
     );
-    // Fail-open cold admissions are reported (admitted ahead of Redis, counted with the next
-    // sync round, or by the fallback past the request timeout); hot keys did not fall back.
-    assert!(
-        fallback_slow + ahead_slow >= cold_open_slow * 0.9,
-        "{cold_open_slow} cold fail-open admissions, {fallback_slow} by the fallback, {ahead_slow} ahead of Redis"
-    );
+    // Fail-open cold admissions are reported; hot keys did not fall back.
+    assert!(fallback_slow >= cold_open_slow * 0.9);
     assert!(
         fallback_slow <= cold_open_slow + 3.0,
         "fallback admitted {fallback_slow} while only {cold_open_slow} cold fail-open requests were admitted"
