@@ -507,7 +507,21 @@ pub fn start_controller(cp: &ControlPlane, name: &str, port: u16, args: &[&str])
     p
 }
 
-/// A `tollgate-sidecar` process on free loopback ports.
+/// The port of `field` (`listen`, `admin`) in a start-up line, JSON (`"listen":"127.0.0.1:p"`)
+/// or text (`listen=127.0.0.1:p`).
+fn started_port(line: &str, field: &str) -> Option<u16> {
+    if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+        let addr = v.get(field)?.as_str()?;
+        return addr.parse::<std::net::SocketAddr>().ok().map(|a| a.port());
+    }
+    let prefix = format!("{field}=");
+    line.split_whitespace()
+        .find_map(|t| t.strip_prefix(&prefix))
+        .and_then(|addr| addr.trim_matches('"').parse::<std::net::SocketAddr>().ok())
+        .map(|a| a.port())
+}
+
+/// A `tollgate-sidecar` process on loopback ports it picked itself.
 pub struct Sidecar {
     pub proc: Proc,
     pub listen: u16,
@@ -516,23 +530,29 @@ pub struct Sidecar {
 
 impl Sidecar {
     /// Starts one named `name` in front of `upstream` with `args`; returns once it has started.
+    /// The sidecar binds port 0 and its start-up line says which ports it got: a port picked
+    /// free beforehand can be taken by another process before the sidecar binds it.
     pub fn start(name: &str, upstream: &str, args: &[&str]) -> Sidecar {
-        let (listen, admin) = (free_port(), free_port());
         let mut cmd = Command::new(workspace_bin("tollgate-sidecar"));
         cmd.args([
             "--listen",
-            &format!("127.0.0.1:{listen}"),
+            "127.0.0.1:0",
             "--admin",
-            &format!("127.0.0.1:{admin}"),
+            "127.0.0.1:0",
             "--upstream",
             upstream,
         ])
         .args(args);
         let proc = Proc::spawn(name, cmd);
-        proc.wait_for_log(
+        let line = proc.wait_for_log(
             "tollgate-sidecar started",
             std::time::Duration::from_secs(30),
         );
+        let port = |field: &str| {
+            started_port(&line, field)
+                .unwrap_or_else(|| panic!("no {field} port in the start-up line: {line}"))
+        };
+        let (listen, admin) = (port("listen"), port("admin"));
         Sidecar {
             proc,
             listen,
