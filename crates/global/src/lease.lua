@@ -32,11 +32,10 @@
 --          last report (token buckets; 0: nothing to report)
 -- ARGV[13] share period in milliseconds: the interval sidecars report demand over (0: no
 --          demand-weighted share). While a bucket is contested (a call wants more than it
---          holds, until the bucket is full again), the fleet's reported demand is kept as a
---          sliding window over four periods in a second field (the bucket id and 'd'), and a
---          call that is not all or nothing gets at most its entitlement: the refill of that
---          window times the caller's part of the demand reported in it, this report included
---          (see fair_share). Each sidecar's grants then add up to its part of the refill,
+--          holds, until the bucket is full again), the fleet's reported demand is kept per
+--          window of four periods in a second field (the bucket id and 'd'), and a call that
+--          is not all or nothing gets at most its entitlement: a window's refill times the
+--          caller's part of the fleet's demand per window (see fair_share). Each sidecar's grants then add up to its part of the refill,
 --          whenever it calls: before this, tokens conformant at a call went to whichever
 --          sidecar synced first after the refill, and two sidecars with equal demand split a
 --          limit 11/89 to 48/52 depending on the phase of their sync rounds. Refill left
