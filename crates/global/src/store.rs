@@ -453,37 +453,63 @@ pub struct LeaseReply {
 
 /// Parses a lease script reply; anything but seven non-negative integers is an error.
 pub fn parse_lease_reply(v: &redis::Value) -> Result<LeaseReply, StoreError> {
-    let redis::Value::Array(items) = v else {
-        return Err(StoreError::BadReply(format!("{v:?}")));
-    };
-    if items.len() != 7 {
-        return Err(StoreError::BadReply(format!("{} items", items.len())));
+    match parse_lease_replies(v, 1)?.pop() {
+        Some(r) => Ok(r),
+        None => Err(StoreError::BadReply(format!("{v:?}"))),
     }
-    lease_reply_from(items)
 }
 
-/// Parses the reply of a fleet-exchange call for `n` RLQS buckets: three fields each.
-fn parse_share_replies(v: &redis::Value, n: usize) -> Result<Vec<ShareReply>, StoreError> {
+/// Runs a pipeline of `script`'s calls on one node; when Redis no longer has the script (it
+/// restarted or failed over), loads it once and runs the pipeline again.
+async fn query_loading<C: ConnectionLike>(
+    script: &redis::Script,
+    pipe: &redis::Pipeline,
+    conn: &mut C,
+) -> Result<Vec<redis::Value>, StoreError> {
+    match pipe.query_async(conn).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            script.prepare_invoke().load_async(conn).await?;
+            Ok(pipe.query_async(conn).await?)
+        }
+        other => Ok(other?),
+    }
+}
+
+/// The flat reply of a script call for `n` buckets of `width` fields each, as one row per
+/// bucket.
+fn bucket_rows(
+    v: &redis::Value,
+    n: usize,
+    width: usize,
+) -> Result<std::slice::ChunksExact<'_, redis::Value>, StoreError> {
     let redis::Value::Array(items) = v else {
         return Err(StoreError::BadReply(format!("{v:?}")));
     };
-    if items.len() != 3 * n {
+    if items.len() != width * n {
         return Err(StoreError::BadReply(format!(
             "{} items for {n} buckets",
             items.len()
         )));
     }
-    let int = |item: &redis::Value| match item {
+    Ok(items.chunks_exact(width))
+}
+
+/// A reply field the scripts only ever answer with a non-negative integer.
+fn non_negative(item: &redis::Value) -> Result<u64, StoreError> {
+    match item {
         redis::Value::Int(i) if *i >= 0 => Ok(*i as u64),
         other => Err(StoreError::BadReply(format!("{other:?}"))),
-    };
-    items
-        .chunks_exact(3)
+    }
+}
+
+/// Parses the reply of a fleet-exchange call for `n` RLQS buckets: three fields each.
+fn parse_share_replies(v: &redis::Value, n: usize) -> Result<Vec<ShareReply>, StoreError> {
+    bucket_rows(v, n, 3)?
         .map(|r| {
             Ok(ShareReply {
-                demand_milli: int(&r[0])?,
-                assigned_milli: int(&r[1])?,
-                streams: u32::try_from(int(&r[2])?).unwrap_or(u32::MAX),
+                demand_milli: non_negative(&r[0])?,
+                assigned_milli: non_negative(&r[1])?,
+                streams: u32::try_from(non_negative(&r[2])?).unwrap_or(u32::MAX),
             })
         })
         .collect()
@@ -491,25 +517,13 @@ fn parse_share_replies(v: &redis::Value, n: usize) -> Result<Vec<ShareReply>, St
 
 /// Parses the reply of a lease call that decided `n` buckets: their 7 fields each, in order.
 pub fn parse_lease_replies(v: &redis::Value, n: usize) -> Result<Vec<LeaseReply>, StoreError> {
-    let redis::Value::Array(items) = v else {
-        return Err(StoreError::BadReply(format!("{v:?}")));
-    };
-    if items.len() != 7 * n {
-        return Err(StoreError::BadReply(format!(
-            "{} items for {n} buckets",
-            items.len()
-        )));
-    }
-    items.chunks_exact(7).map(lease_reply_from).collect()
+    bucket_rows(v, n, 7)?.map(lease_reply_from).collect()
 }
 
 fn lease_reply_from(items: &[redis::Value]) -> Result<LeaseReply, StoreError> {
     let mut n = [0u64; 7];
     for (slot, item) in n.iter_mut().zip(items) {
-        *slot = match item {
-            redis::Value::Int(i) if *i >= 0 => *i as u64,
-            other => return Err(StoreError::BadReply(format!("{other:?}"))),
-        };
+        *slot = non_negative(item)?;
     }
     Ok(LeaseReply {
         granted: n[0],
@@ -904,7 +918,10 @@ impl Store {
     }
 
     /// One script call deciding `ops` (at most [`MAX_LEASE_BATCH`], all in one Cluster slot).
-    fn lease_invocation(&self, ops: &[LeaseOp]) -> redis::ScriptInvocation<'_> {
+    fn lease_invocation<'a>(
+        &self,
+        ops: impl IntoIterator<Item = &'a LeaseOp>,
+    ) -> redis::ScriptInvocation<'_> {
         let mut inv = self.lease.prepare_invoke();
         for op in ops {
             self.add_lease_op(&mut inv, op);
@@ -994,17 +1011,11 @@ impl Store {
     async fn lease_batch_inner(&self, ops: &[LeaseOp]) -> Result<Vec<LeaseReply>, StoreError> {
         match self.conn().await? {
             Conn::Single(mut conn) => {
-                let values = match self.pipeline(ops, &mut conn).await {
-                    Err(StoreError::Redis(e))
-                        if e.kind()
-                            == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
-                    {
-                        // Redis restarted or failed over: load the script once and retry.
-                        self.lease.prepare_invoke().load_async(&mut conn).await?;
-                        self.pipeline(ops, &mut conn).await?
-                    }
-                    other => other?,
-                };
+                let mut pipe = redis::pipe();
+                for batch in ops.chunks(MAX_LEASE_BATCH) {
+                    pipe.invoke_script(&self.lease_invocation(batch));
+                }
+                let values = query_loading(&self.lease, &pipe, &mut conn).await?;
                 let mut replies = Vec::with_capacity(ops.len());
                 for (v, batch) in values.iter().zip(ops.chunks(MAX_LEASE_BATCH)) {
                     replies.extend(parse_lease_replies(v, batch.len())?);
@@ -1020,11 +1031,10 @@ impl Store {
                 let calls = by_group.values().flat_map(|indices| {
                     indices.chunks(MAX_LEASE_BATCH).map(|chunk| {
                         let mut conn = c.clone();
-                        let batch: Vec<LeaseOp> = chunk.iter().map(|&i| ops[i].clone()).collect();
+                        let inv = self.lease_invocation(chunk.iter().map(|&i| &ops[i]));
                         async move {
-                            let inv = self.lease_invocation(&batch);
                             let v: redis::Value = inv.invoke_async(&mut conn).await?;
-                            Ok::<_, StoreError>((chunk, parse_lease_replies(&v, batch.len())?))
+                            Ok::<_, StoreError>((chunk, parse_lease_replies(&v, chunk.len())?))
                         }
                     })
                 });
@@ -1038,18 +1048,6 @@ impl Store {
                 Ok(replies)
             }
         }
-    }
-
-    async fn pipeline<C: ConnectionLike>(
-        &self,
-        ops: &[LeaseOp],
-        conn: &mut C,
-    ) -> Result<Vec<redis::Value>, StoreError> {
-        let mut pipe = redis::pipe();
-        for batch in ops.chunks(MAX_LEASE_BATCH) {
-            pipe.invoke_script(&self.lease_invocation(batch));
-        }
-        Ok(pipe.query_async(conn).await?)
     }
 
     /// Connects and loads the lease script ahead of the first request that needs Redis, so
@@ -1132,16 +1130,7 @@ impl Store {
                     for batch in ops.chunks(MAX_SHARE_BATCH) {
                         pipe.invoke_script(&invocation(batch));
                     }
-                    let values: Vec<redis::Value> = match pipe.query_async(&mut c).await {
-                        Err(e)
-                            if e.kind()
-                                == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
-                        {
-                            self.share.prepare_invoke().load_async(&mut c).await?;
-                            pipe.query_async(&mut c).await?
-                        }
-                        other => other?,
-                    };
+                    let values = query_loading(&self.share, &pipe, &mut c).await?;
                     let mut replies = Vec::with_capacity(ops.len());
                     for (v, batch) in values.iter().zip(ops.chunks(MAX_SHARE_BATCH)) {
                         replies.extend(parse_share_replies(v, batch.len())?);
