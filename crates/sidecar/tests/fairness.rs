@@ -247,17 +247,7 @@ fn debug(row: &Row) {
 }
 
 async fn fleet(n: usize, redis: &Redis, upstream: &Upstream) -> Vec<Sidecar> {
-    let url = redis.url();
-    let mut sidecars = Vec::new();
-    for _ in 0..n {
-        let args = ["--redis", url.as_str(), "--redis-timeout", "200ms"];
-        sidecars.push(Sidecar::start(&upstream.url(), &bucket_policy(100), &args).await);
-    }
-    for s in &sidecars {
-        s.wait_members("test/fair", n, Duration::from_secs(20))
-            .await;
-    }
-    sidecars
+    redis_fleet(n, redis, upstream, &bucket_policy(100), "test/fair").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

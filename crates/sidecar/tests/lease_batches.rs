@@ -199,22 +199,8 @@ async fn a_hundred_thousand_rlqs_buckets_exchange_in_batches() {
                     .await
                     .expect("exchange");
                 let took = started.elapsed();
-                let stats = redis.cli(&["INFO", "commandstats"]);
-                let calls_usec = |name: &str| -> (u64, u64) {
-                    stats
-                        .lines()
-                        .find_map(|l| l.strip_prefix(&format!("cmdstat_{name}:")))
-                        .map(|l| {
-                            let field = |k: &str| {
-                                l.split(',')
-                                    .find_map(|f| f.strip_prefix(k))
-                                    .and_then(|v| v.parse().ok())
-                                    .unwrap_or(0)
-                            };
-                            (field("calls="), field("usec="))
-                        })
-                        .unwrap_or((0, 0))
-                };
+                let stats = command_stats(&redis);
+                let calls_usec = |name: &str| stats.get(name).copied().unwrap_or((0, 0));
                 let (evalsha, usec_sha) = calls_usec("evalsha");
                 let (eval, usec_eval) = calls_usec("eval");
                 eprintln!(

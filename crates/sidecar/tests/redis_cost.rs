@@ -263,20 +263,10 @@ struct Row {
 /// Microseconds Redis spent in commands since the last `CONFIG RESETSTAT`, leaving out the
 /// measurement's own (`INFO`, `CONFIG`, `MONITOR`).
 fn command_usec(redis: &Redis) -> u64 {
-    redis
-        .cli(&["INFO", "commandstats"])
-        .lines()
-        .filter_map(|l| l.strip_prefix("cmdstat_"))
-        .filter(|l| {
-            !["info:", "config|", "config:", "monitor:"]
-                .iter()
-                .any(|m| l.starts_with(m))
-        })
-        .filter_map(|l| {
-            l.split(',')
-                .find_map(|f| f.strip_prefix("usec="))
-                .and_then(|v| v.parse::<u64>().ok())
-        })
+    command_stats(redis)
+        .into_iter()
+        .filter(|(name, _)| !(name == "info" || name == "monitor" || name.starts_with("config")))
+        .map(|(_, (_, usec))| usec)
         .sum()
 }
 

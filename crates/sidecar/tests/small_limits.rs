@@ -362,17 +362,7 @@ fn table(rows: &[Row]) -> String {
 }
 
 async fn fleet(n: usize, redis: &Redis, upstream: &Upstream) -> Vec<Sidecar> {
-    let url = redis.url();
-    let mut sidecars = Vec::new();
-    for _ in 0..n {
-        let args = ["--redis", url.as_str(), "--redis-timeout", "200ms"];
-        sidecars.push(Sidecar::start(&upstream.url(), &bucket_policy(1.0), &args).await);
-    }
-    for s in &sidecars {
-        s.wait_members("test/small", n, Duration::from_secs(20))
-            .await;
-    }
-    sidecars
+    redis_fleet(n, redis, upstream, &bucket_policy(1.0), "test/small").await
 }
 
 /// Requests per second of the many-keys load: at least two keys, each at 1.5x the refill.

@@ -490,6 +490,47 @@ pub fn started_line(line: &str) -> Option<(SocketAddr, SocketAddr)> {
     Some((listen, admin))
 }
 
+/// `n` sidecars in front of `upstream` on one Redis (200 ms timeout), each enforcing
+/// `policy_yaml`, returned once every one counts `n` members of `policy` (`namespace/name`).
+pub async fn redis_fleet(
+    n: usize,
+    redis: &Redis,
+    upstream: &Upstream,
+    policy_yaml: &str,
+    policy: &str,
+) -> Vec<Sidecar> {
+    let url = redis.url();
+    let mut sidecars = Vec::new();
+    for _ in 0..n {
+        let args = ["--redis", url.as_str(), "--redis-timeout", "200ms"];
+        sidecars.push(Sidecar::start(&upstream.url(), policy_yaml, &args).await);
+    }
+    for s in &sidecars {
+        s.wait_members(policy, n, Duration::from_secs(20)).await;
+    }
+    sidecars
+}
+
+/// `INFO commandstats` of `redis`: per command (lowercase, as `cmdstat_<name>`), its calls and
+/// the microseconds Redis spent executing them since the last `CONFIG RESETSTAT`.
+pub fn command_stats(redis: &Redis) -> std::collections::BTreeMap<String, (u64, u64)> {
+    redis
+        .cli(&["INFO", "commandstats"])
+        .lines()
+        .filter_map(|l| l.strip_prefix("cmdstat_")?.split_once(':'))
+        .map(|(name, fields)| {
+            let field = |k: &str| {
+                fields
+                    .split(',')
+                    .find_map(|f| f.strip_prefix(k))
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0)
+            };
+            (name.to_string(), (field("calls="), field("usec=")))
+        })
+        .collect()
+}
+
 /// `$name` as a whole number, else `default` (the knobs of the long-running tests).
 pub fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
